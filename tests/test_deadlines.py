@@ -34,6 +34,7 @@ from ontofabric.contracts import (
     ErrorDetail,
     ErrorReply,
     QueryResponse,
+    StatusReply,
 )
 from ontofabric.services.query import client as client_module
 from ontofabric.services.query.client import (
@@ -754,6 +755,30 @@ async def test_a_malformed_timeout_header_is_an_invalid_request_naming_it(
     assert isinstance(reply, ErrorReply)
     assert reply.error.code == "invalid_request"
     assert reply.error.details[0].field == f"header {TIMEOUT_HEADER}"
+
+
+async def test_a_query_that_gave_its_place_to_a_status_request_is_counted_a_querys_refusal(
+    seeded: int,
+    deployment: Deployment,
+    start_worker: Start,
+) -> None:
+    """A review's: a refusal was counted under the kind of the request handled when it was made, and a displaced
+    query's was the newcomer's (a status request here), which the paging ratio leaves out."""
+    await start_worker(SlowReranker(0.3), query_concurrency=1, query_queue_limit=3)  # 4 places
+    client = QueryClient(deployment.nc, deployment.names, timeout_s=20, pushback=False)
+    assert isinstance(await client.query("acme", {"semanticQuery": f"warm {LONG_QUERY}"}), QueryResponse)
+
+    def overloaded(request: str) -> int:
+        points = metric_points("retrieval.query.errors")
+        return sum(int(p.value) for p in points if p.attributes == {"code": "overloaded", "request": request})
+
+    before = overloaded("query"), overloaded("status")
+    held = [asyncio.create_task(client.query("acme", {"semanticQuery": f"held {n} {LONG_QUERY}"})) for n in range(4)]
+    await asyncio.sleep(0.1)  # the four places are taken
+    assert isinstance(await client.status("globex", {}), StatusReply)
+    replies = await asyncio.gather(*held)
+    assert sum(isinstance(reply, ErrorReply) for reply in replies) == 1, replies
+    assert (overloaded("query"), overloaded("status")) == (before[0] + 1, before[1])
 
 
 async def test_a_request_that_gave_its_place_to_another_workspace_states_its_wait_and_is_answered_after_it(

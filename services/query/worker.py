@@ -767,9 +767,15 @@ class QueryService:
             busy = "this worker is at capacity and gave this request's place to a workspace holding less; retry"
             paced = self._wait_of(displaced.workspace)
             self._refused_busy.note(displaced.msg.subject)
-            await self._reply_once(
-                displaced, partial(error_reply, "overloaded", busy, retryable=True, retry_after_s=paced)
-            )
+            # Counted as the displaced request's kind, not the newcomer's (a review's: a document read displacing a
+            # query hid the query's refusal from the paging ratio).
+            kind = REQUEST_KIND.set(self.names.operation_of(displaced.msg.subject) or "unknown")
+            try:
+                await self._reply_once(
+                    displaced, partial(error_reply, "overloaded", busy, retryable=True, retry_after_s=paced)
+                )
+            finally:
+                REQUEST_KIND.reset(kind)
 
     def _timed_as(self, msg: Msg, workspace: str) -> str:
         """Whose average work a request is judged by and counts in: its workspace's, per operation (a review's: a

@@ -582,7 +582,9 @@ def test_a_go_interface_is_implemented_by_its_methods_types_not_their_number_alo
         "store/store.go": "package store\n\ntype Key string\n\n"
         "type Getter[K comparable, V any] interface{ Get(K) (V, bool) }\n\n"
         "type Putter interface{ Put(k Key, values ...[]byte) error }\n\n"
-        "type Logger interface{ Logf(format string, args ...any) }\n",
+        "type Logger interface{ Logf(format string, args ...any) }\n\n"
+        "type Setter interface{ Set(map[string]any) }\n\n"
+        "type Combiner interface{ Combine(func(int, int) int, []byte) }\n",
         "mem/mem.go": 'package mem\n\nimport "example.com/m/store"\n\n'
         "type Cache struct{}\n\nfunc (c *Cache) Get(name string) (data []byte, found bool) { return }\n\n"
         "func (c *Cache) Put(key store.Key, vs ...[]byte) error { return nil }\n\n"
@@ -590,7 +592,9 @@ def test_a_go_interface_is_implemented_by_its_methods_types_not_their_number_alo
         "func (Disk) Put(key string, vs ...[]byte) error { return nil }\n\n"
         "type Set[T comparable] struct{}\n\nfunc (s Set[T]) Get(item T) (T, bool) { var t T; return t, false }\n\n"
         "type Printer struct{}\n\nfunc (Printer) Logf(format string, args ...interface{}) {}\n\n"
-        "type Tracer struct{}\n\nfunc (Tracer) Logf(format string, args []any) {}\n",
+        "type Tracer struct{}\n\nfunc (Tracer) Logf(format string, args []any) {}\n\n"
+        "type Config struct{}\n\nfunc (Config) Set(values map[string]interface{}) {}\n\n"
+        "type Adder struct{}\n\nfunc (Adder) Combine(f func(a, b int) int, data []uint8) {}\n",
     }
     read = read_code(files, {"": "example.com/m"})
     inherits = {(link.source_type, link.target_type) for link in read.links if link.name == INHERITS}
@@ -599,6 +603,8 @@ def test_a_go_interface_is_implemented_by_its_methods_types_not_their_number_alo
         ("mem.mem.Set", "store.store.Getter"),  # its own type parameter takes the interface's
         ("mem.mem.Cache", "store.store.Putter"),  # store.Key is Key
         ("mem.mem.Printer", "store.store.Logger"),  # interface{} is any
+        ("mem.mem.Config", "store.store.Setter"),  # within a map too (a review's)
+        ("mem.mem.Adder", "store.store.Combiner"),  # a, b int is int, int; uint8 is byte
     }  # not Disk (an error is no bool, a string no Key), nor Tracer (a slice is no variadic)
 
 

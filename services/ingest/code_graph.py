@@ -1741,43 +1741,58 @@ def _go_type_parameters(method: tree_sitter.Node) -> frozenset[str]:
             return frozenset()
         return frozenset(_text(name) or "" for p in listed.named_children for name in p.children_by_field_name("name"))
     receiver = method.child_by_field_name("receiver")
-    arguments = [n for n in _go_leaves(receiver, inside="type_arguments")] if receiver is not None else []
-    return frozenset(_text(n) or "" for n in arguments if n.type == "type_identifier")
+    arguments = list(_go_leaves(receiver, inside="type_arguments")) if receiver is not None else []
+    return frozenset(text for kind, text in arguments if kind == "type_identifier")
 
 
 def _go_type(written: tree_sitter.Node | None, generic: frozenset[str]) -> str:
     """A Go type as a parameter or result has it, to compare with another's: its words without spaces, a
     qualified type by its name alone (``store.Key`` where one package writes ``Key``), ``interface{}`` as
-    ``any``, and :data:`GO_ANY_TYPE` where it names a type parameter (one of ``generic``)."""
+    ``any`` wherever it stands (``map[string]interface{}``), ``uint8`` as ``byte`` and ``int32`` as ``rune``
+    (Go's aliases), and :data:`GO_ANY_TYPE` where it names a type parameter (one of ``generic``). A review's:
+    ``[]interface{}`` and ``func(a, b int) int`` (read ``func(,int)int``) took no interface asking ``[]any``."""
     if written is None:
         return GO_ANY_TYPE
     words = []
-    for leaf in _go_leaves(written):
-        if leaf.type == "type_identifier" and _text(leaf) in generic:
+    for kind, text in _go_leaves(written):
+        if kind == "type_identifier" and text in generic:
             return GO_ANY_TYPE
-        words.append(_text(leaf) or "")
-    typed = "".join(words)
-    return "any" if typed == "interface{}" else typed
+        words.append(_GO_ALIASES.get(text, text) if kind == "type_identifier" else text)
+    return "".join(words).replace("interface{}", "any")
 
 
-def _go_leaves(node: tree_sitter.Node, inside: str | None = None) -> Iterator[tree_sitter.Node]:
-    """The tokens of a Go type in their order, without a qualified type's package, a parameter's name (in a
-    function type) or comments; with ``inside``, only those within a node of that type. Without recursion: a
-    hostile file may nest types deeply."""
-    pending: list[tuple[tree_sitter.Node, bool]] = [(node, inside is None)]
+_GO_ALIASES = {"uint8": "byte", "int32": "rune"}
+"""Go's predeclared aliases, by the name they stand for (``byte`` is ``uint8``)."""
+
+
+def _go_leaves(node: tree_sitter.Node, inside: str | None = None) -> Iterator[tuple[str, str]]:
+    """The tokens of a Go type in their order, each as its kind and text: without a qualified type's package,
+    comments, or a parameter's names (in a function type its type is written once for each: ``a, b int`` as
+    ``int,int``); with ``inside``, only those within a node of that type. Without recursion: a hostile file may
+    nest types deeply."""
+    pending: list[tuple[tree_sitter.Node | str, bool]] = [(node, inside is None)]
     while pending:
         current, within = pending.pop()
+        if isinstance(current, str):  # the comma between one declaration's parameters
+            yield current, current
+            continue
         within = within or current.type == inside
         if current.child_count == 0:
             if within and current.type != "comment":
-                yield current
+                yield current.type, _text(current) or ""
             continue
+        children: list[tree_sitter.Node | str]
         if current.type == "qualified_type":
-            children = current.children_by_field_name("name")
+            children = list(current.children_by_field_name("name"))
+        elif current.type.endswith("parameter_declaration"):
+            typed = [c for i, c in enumerate(current.children) if current.field_name_for_child(i) != "name"]
+            typed = [c for c in typed if c.type != ","]
+            times = max(1, len(current.children_by_field_name("name")))
+            children = [*typed]
+            for _ in range(times - 1):
+                children += [",", *typed]
         else:
-            named = current.type.endswith("parameter_declaration")
-            fields = [current.field_name_for_child(index) for index in range(current.child_count)]
-            children = [c for c, kind in zip(current.children, fields, strict=True) if not named or kind != "name"]
+            children = list(current.children)
         pending.extend((child, within) for child in reversed(children))
 
 

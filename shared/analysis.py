@@ -31,9 +31,12 @@ _PART = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
 _HYPHENATED = re.compile(r"(?<!\w)\w+(?:-\w+)+")
 """A hyphenated word, matched from its start only: without the look-behind a long word with no hyphen was tried
 again from each of its characters, each try reading to its end (a review's: 123 s for 100,000 characters)."""
-_INVISIBLE = re.compile("[\u00ad\u061c\u180e\u200c-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff]")
-"""Format characters that change no word (soft hyphen, joiners, direction marks, the byte-order mark): removed.
-The zero-width space separates words: it becomes a space."""
+_INVISIBLE = re.compile(
+    "[\u00ad\u061c\u180e\u200c-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufe00-\ufe0f\ufeff\U000e0100-\U000e01ef]"
+)
+"""Format characters that change no word (soft hyphen, joiners, direction marks, the byte-order mark) and variation
+selectors (``⚠️``'s, a review's: it stuck to the word after its emoji): removed. The zero-width space separates
+words: it becomes a space."""
 CHINESE_AND_JAPANESE = (
     "\u3005-\u3007\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f"
 )
@@ -44,7 +47,8 @@ _CJK_RUN = re.compile(f"[{CHINESE_AND_JAPANESE}]{{2,}}")
 
 @functools.cache
 def _separating() -> re.Pattern[str]:
-    """Punctuation and symbols past ASCII (``’ “ ” — « » „ । 。``, emoji): a space between words. PostgreSQL's
+    """Punctuation and symbols past ASCII (``’ “ ” — « » „ । 。``, emoji, and the enclosing marks of ``1️⃣``): a
+    space between words. PostgreSQL's
     parser in the C locale takes every character past ASCII for a letter, so a Unicode tester's ``scheduler’s``,
     ``“exponential”`` and ``rocketlaunch🚀`` were words of their own, and ``scheduler``, ``exponential`` and
     ``rocketlaunch`` found nothing. Read from the Unicode database this Python has, up to the emoji's plane (the
@@ -52,7 +56,7 @@ def _separating() -> re.Pattern[str]:
     ranges: list[str] = []
     start = previous = -2
     for code in range(0x80, 0x20000):
-        if unicodedata.category(chr(code))[0] not in "PS":
+        if unicodedata.category(chr(code))[0] not in "PS" and unicodedata.category(chr(code)) != "Me":
             continue
         if code != previous + 1:
             ranges += [_class_range(start, previous)] if start >= 0 else []
@@ -116,7 +120,9 @@ def comparable(text: str) -> str:
     if text.isascii():
         return text
     text = _INVISIBLE.sub("", unicodedata.normalize("NFKC", text).replace("\u200b", " "))
-    return _CJK_RUN.sub(_bigrams, _separating().sub(" ", text))
+    # A hyphen past ASCII (NFKC makes the non-breaking one it too) is the ASCII hyphen, whose words are also written
+    # together (a Unicode tester's well‐known was not found by wellknown), not a separator as other dashes are.
+    return _CJK_RUN.sub(_bigrams, _separating().sub(" ", text.replace("\u2010", "-")))
 
 
 def folded(text: str) -> str:

@@ -38,6 +38,10 @@ from ontofabric.shared.analysis import analyse, comparable, identifier_parts
         ("the scheduler’s “exponential” default—see", "the scheduler s  exponential  default see"),
         ("«retrait» „Wiederholung“ दुनिया। rocketlaunch🚀", " retrait   wiederholung  दुनिया  rocketlaunch "),
         ("a→b 37°C ±2 l·l", "a b 37 c  2 l l"),
+        # A variation selector is no letter of the word after it, a keycap no letter of its digit's (a review's).
+        ("⚠️Deprecated ✅Done 1️⃣step", " deprecated  done 1 step"),
+        # A hyphen past ASCII is the hyphen, its parts written together too (a Unicode tester's well‐known).
+        ("well\u2010known e\u2011mail", "well known wellknown e mail email"),
     ],
 )
 def test_analyse(text: str, expected: str) -> None:

@@ -14,6 +14,7 @@ from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
 from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
+from .identifiers import hyphenated_name
 from .path_patterns import normal_pattern, pattern_problem
 
 MAX_TOP_K = 100
@@ -242,10 +243,6 @@ Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "im
 MAX_SYMBOL_CHARS = 300
 _IDENTIFIER = r"([A-Za-z_]|[^\x00-\x7F])([A-Za-z0-9_]|[^\x00-\x7F])*(-([A-Za-z0-9_]|[^\x00-\x7F])+)*"
 """An identifier, or words joined by hyphens as a file's module is named (``auth-extensions``)."""
-HYPHENATED_NAME = re.compile(r"[^\W\d]\w*(?:-\w+)*(?:\.[^\W\d]\w*(?:-\w+)*)*")
-"""A dotted name whose parts may join words by hyphens, as Python reads it (any script): the modules of files named
-so (``client.auth-extensions``, ``lib.rfc-2616``). What :class:`RelatedTo` takes, and what a relation question in
-words is read by (services/query/symbols.py)."""
 
 
 class RelatedTo(StrictRequest):
@@ -277,7 +274,7 @@ class RelatedTo(StrictRequest):
         named = unicodedata.normalize("NFKC", symbol)  # as Python reads an identifier, and as words asking it are
         # A part may join words by hyphens: the module of a file named so (client.auth-extensions, an agent tester's,
         # could not be asked; lib.rfc-2616, a review's, was valid by the schema and refused here).
-        if not HYPHENATED_NAME.fullmatch(named):
+        if not hyphenated_name().fullmatch(named):
             path = "/" in named or "\\" in named
             raise ValueError(
                 "a name, or names joined by dots, as Python reads identifiers (or joined by hyphens)"

@@ -429,3 +429,14 @@ def test_a_relations_symbol_refused_says_what_is_wrong_in_words() -> None:
     assert detail.field == "relatedTo.symbol"
     assert "pattern" not in detail.message
     assert "src/clock.rs is src.clock" in detail.message
+
+
+def test_a_relation_names_any_identifier_python_reads() -> None:
+    """A Unicode tester's ``subclasses नमस्ते`` was refused as no name: ``\\w`` leaves out combining marks."""
+    from ontofabric.contracts.query import RelatedTo
+
+    for name in ("नमस्ते", "beyond.marks.สวัสดี", "كَتَبَ", "x‿y", "℘eier", "client.auth-extensions"):
+        assert RelatedTo(relation="subclasses", symbol=name).symbol == name
+    for name in ("a b", "1abc", "x.", "a/b"):
+        with pytest.raises(ValidationError):
+            RelatedTo(relation="subclasses", symbol=name)

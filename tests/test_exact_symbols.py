@@ -188,6 +188,10 @@ def test_file_asked_reads_a_line_and_a_tracebacks_frame(text: str, asked: FileAs
             "experimental.tasks.mcp-server.ExperimentalMcpServerTasks",
         ),
         ("well-known", None),
+        # Names Python reads with combining marks or connectors, which \\w leaves out (a Unicode tester's).
+        ("beyond.marks.नमस्ते", "beyond.marks.नमस्ते"),
+        ("x‿y", "x‿y"),
+        ("℘eier", "℘eier"),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:
@@ -243,6 +247,8 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("which modules import the AckPolicy enum", (IMPORTER, "AckPolicy")),
         ("what implements the ParserProto protocol?", (SUBCLASS, "ParserProto")),
         ("who uses the decorator retry_if", (CALLER, "retry_if")),
+        ("what subclasses नमस्ते", (SUBCLASS, "नमस्ते")),  # a name with combining marks (a Unicode tester's)
+        ("what calls كَتَبَ", (CALLER, "كَتَبَ")),
         # Not a lookup: another question, words besides the name, no name.
         ("how does backoff work", None),
         ("what calls to_seconds and why", None),

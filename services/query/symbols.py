@@ -18,10 +18,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ontofabric.contracts import SearchResult
-from ontofabric.contracts.query import HYPHENATED_NAME
+from ontofabric.contracts.identifiers import NAME_START, hyphenated_name, identifier, name_character
 from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
 from ontofabric.services.ingest.code import CODE_SUFFIXES, is_declaration_file, module_name
-from ontofabric.shared.analysis import CHINESE_AND_JAPANESE, IDENTIFIER
+from ontofabric.shared.analysis import CHINESE_AND_JAPANESE
 
 from .fusion import Fused, SourceHit
 from .names import last_part, match_quality, qualities_kept
@@ -123,17 +123,17 @@ def identifier_of(text: str, hyphens: bool = False) -> str | None:
     ``tenacity.retry.Retrying``, ``Retrying.__call__`` (also as ``Retrying::__call__`` or ``Retrying#__call__``), in
     backticks or with a call's ``()``; or asks where one is, or what it is, as a whole (:func:`_asked_for`:
     ``where is Console defined``, ``definition of Console``). None for any other text: other words around a name
-    make it a question, not a name. ``hyphens``: also a name of :data:`HYPHENATED_NAME` (else only one dotted)."""
+    make it a question, not a name. ``hyphens``: also a name of :func:`hyphenated_name` (else only one dotted)."""
     written, _ = _asked(text)
     # Rust's `crate::` is the crate's root, which a declaration's path from it is an alias of (ingest.code).
     name = _SEPARATOR.sub(".", written.strip().strip("`").strip().removesuffix("()").removeprefix("crate::"))
     if len(name) > MAX_IDENTIFIER_CHARS:
         return None
-    hyphenated = HYPHENATED_NAME.fullmatch(name) is not None and (hyphens or "." in name)
-    return name if IDENTIFIER.fullmatch(name) or hyphenated else None
+    hyphenated = hyphenated_name().fullmatch(name) is not None and (hyphens or "." in name)
+    return name if identifier().fullmatch(name) or hyphenated else None
 
 
-# A name of HYPHENATED_NAME is read where the query asks a relation (an agent tester's ``what imports
+# A hyphenated name is read where the query asks a relation (an agent tester's ``what imports
 # nats-base-client.util`` ran as a search; ``what uses multi-threading`` is then asked of a name nothing defines, as
 # ``what uses caching`` is), or where the whole query is a dotted name with a hyphen; ``well-known`` alone is none.
 
@@ -181,7 +181,7 @@ def file_asked(text: str) -> FileAsked | None:
     path = _FROM_ROOT.sub("", path, count=1) if _FROM_ROOT.match(path) else path
     if len(path) > MAX_IDENTIFIER_CHARS or not shape.fullmatch(path):
         return None
-    return FileAsked(path, line, name if name is not None and IDENTIFIER.fullmatch(name) else None)
+    return FileAsked(path, line, name if name is not None and identifier().fullmatch(name) else None)
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def code_shaped(name: str) -> bool:
     return any(c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
 
 
-_NAME = r"`?(?P<name>[^\W\d][\w.:#/-]*(?:\(\))?)`?"
+_NAME = rf"`?(?P<name>{NAME_START}(?:{name_character()}|[.:#/-])*(?:\(\))?)`?"
 _KIND = (
     r"(?:(?:async|abstract|base|generic|static)\s+)?(?:function|method|class|constructor|module|package|interface"
     r"|protocol|enum|struct|trait|type|decorator|coroutine|exception|dataclass|mixin|generator|property"
@@ -429,7 +429,7 @@ def _module_of_path(path: str) -> str | None:
     if not path.endswith((".py", ".pyi", *CODE_SUFFIXES)) or not _FILE_PATH.fullmatch(path):
         return None
     module = module_name(path).removesuffix(".__init__")
-    return module if HYPHENATED_NAME.fullmatch(module) else None
+    return module if hyphenated_name().fullmatch(module) else None
 
 
 PARSED_FOR_LINES_CHARS = 100_000

@@ -75,9 +75,9 @@ class OntologyNode(WireModel):
         min_length=1,
         max_length=256,
         pattern=f"^{NAME_CHARACTER}+$",
-        description="Letters, digits, _ . $ - (ASCII), and characters past ASCII but controls, separators, "
-        "zero-width and direction marks; without a domain, a letter or _ first. With the domain, at most 511 "
-        "characters.",
+        description="Letters, digits, _ . $ - (ASCII), and characters past ASCII but controls, spaces, separators "
+        "and what shows nothing (zero-width characters, direction marks, variation selectors); without a domain, a "
+        "letter or _ first. With the domain, at most 511 characters.",
     )
     kind: Text = Field(min_length=1, max_length=64, description="class, interface, module, ...")
     interfaces: list[ObjectType] = Field(
@@ -97,7 +97,8 @@ class OntologyNode(WireModel):
         except ValidationError:
             raise ValueError(
                 f"domain and name make the objectType {self.object_type[:100]!r}, which is none: a letter or _ "
-                "first, then letters, digits, _ . $ - (at most 512)"
+                "first, then letters, digits, _ . $ -, and characters past ASCII but spaces, separators, controls and "
+                "what shows nothing (at most 512)"
             ) from None
         return self
 

@@ -58,7 +58,13 @@ Branch = Annotated[
 ]
 BRANCH: TypeAdapter[str] = TypeAdapter(Branch)
 """Checks a branch name given outside a request model (a command's option)."""
-NAME_START = r"(?:[A-Za-z_]|[^\x00-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff])"
+NOT_IN_NAMES = (
+    r"\x00-\x9f\u00a0\u00ad\u034f\u061c\u115f\u1160\u1680\u17b4\u17b5\u180b-\u180f\u2000-\u200f\u2028-\u202f"
+    r"\u205f-\u206f\u3000\u3164\ufe00-\ufe0f\ufeff\uffa0"
+)
+"""Past ASCII, what no object type holds: controls, spaces and separators, and what shows nothing (zero-width
+characters, joiners, direction marks, variation selectors, fillers), as ranges of a regular expression's class."""
+NAME_START = rf"(?:[A-Za-z_]|[^{NOT_IN_NAMES}])"
 """A name's first character in an object type: an ASCII letter or ``_``, or any character past ASCII but a control,
 a line or paragraph separator, a zero-width one or one that turns the text's direction (letters of any script: a
 tester's ``class Животное`` and ``class Растение`` were both ``________``, one node)."""

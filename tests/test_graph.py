@@ -1290,10 +1290,17 @@ def test_names_in_any_script_are_object_types_of_their_own() -> None:
 
         class Größe:
             pass
+
+        class x·y:
+            pass
+
+        class x_y:
+            pass
     """)
     nodes, links = python_graph({"code/tiere.py": source, "code/x\u200by.py": "class A:\n    pass\n"})
     types = {n.object_type for n in nodes}
     assert {"code.tiere.Животное", "code.tiere.Растение", "code.tiere.Größe", "code.x_y.A"} <= types
+    assert {"code.tiere.x·y", "code.tiere.x_y"} <= types  # what continues an identifier too (a retest's were one)
     inherits = {(link.source_type, link.target_type) for link in links if link.name == "inherits"}
     assert inherits == {
         ("code.tiere.Собака", "code.tiere.Животное"),

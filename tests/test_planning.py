@@ -164,7 +164,16 @@ def test_the_scope_a_delta_subject_names_is_read_only_from_a_whole_canonical_one
 
 @pytest.mark.parametrize(
     ("domain", "name"),
-    [("my domain", "Foo Bar"), ("d" * 256, "n" * 256), ("", "9lives"), ("pkg", "a\u200bb"), ("pkg", "a\u202eb")],
+    [
+        ("my domain", "Foo Bar"),
+        ("d" * 256, "n" * 256),
+        ("", "9lives"),
+        ("pkg", "a\u200bb"),
+        ("pkg", "a\u202eb"),
+        ("pkg", "a\u00a0b"),
+        ("pkg", "a\u061cb"),
+        ("pkg", "a\ufe0fb"),  # a space, a direction mark, a selector
+    ],
 )
 def test_a_node_whose_names_make_no_object_type_is_refused_as_it_comes(domain: str, name: str) -> None:
     """A red team's finding: such a node was stored, and every removal, revert or link naming it was refused (its

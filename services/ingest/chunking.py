@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ontofabric.contracts.documents import NOT_IN_NAMES
 from ontofabric.shared.embedder import embedding_text
 
 ChunkLevel = Literal["file", "type", "method", "doc"]
@@ -129,9 +130,17 @@ def object_type_name(dotted: str) -> str:
 
 
 def _object_type_character(char: str) -> str:
+    """A character of a name as an object type holds it: a letter, digit or mark of any script, or what else
+    continues a Python identifier (``x‿y``, ``x·y``, ``℘``: a Unicode tester's ``x·y`` and ``x_y`` were one type),
+    but none :data:`NOT_IN_NAMES` refuses; any other ``_``."""
     if char.isascii():
         return char if char.isalnum() or char in "_.$-" else "_"
-    return char if unicodedata.category(char)[0] in "LMN" else "_"
+    if _REFUSED_IN_NAMES.match(char) or not (unicodedata.category(char)[0] in "LMN" or f"a{char}".isidentifier()):
+        return "_"
+    return char
+
+
+_REFUSED_IN_NAMES = re.compile(f"[{NOT_IN_NAMES}]")
 
 
 def whole_characters(text: str) -> str:

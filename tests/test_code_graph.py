@@ -1137,3 +1137,18 @@ def test_a_name_is_looked_up_through_a_files_re_exports_before_its_declaration_f
     }))  # fmt: skip
     assert calls["p.user.use"] == ["p.impl.Foo"]
     assert "p.user.A.later" not in calls
+
+
+def test_a_decomposed_file_name_is_named_and_imported_as_composed() -> None:
+    """A Unicode tester's ``módulo.ts``, its name decomposed (as macOS writes names), was found by neither spelling,
+    and an import spelling it composed resolved to nothing."""
+    read = read_code({
+        "tsmod/mo\u0301dulo.ts": "export class Basis {}\nexport function hilfe(): void {}\n",
+        "tsmod/nutzer.ts": "import { Basis, hilfe } from './m\u00f3dulo';\nexport class Kind extends Basis {}\n"
+        "export function rufe(): void { hilfe(); }\n",
+    })  # fmt: skip
+    inherits = {(link.source_type, link.target_type) for link in read.links if link.name == INHERITS}
+    assert inherits == {("tsmod.nutzer.Kind", "tsmod.m\u00f3dulo.Basis")}
+    assert _by_name(read.calls)["tsmod.nutzer.rufe"] == ["tsmod.m\u00f3dulo.hilfe"]
+    names = {c.symbol_fqn for c in chunk_code("tsmod/mo\u0301dulo.ts", "export class Basis {}\n", 10**6)}
+    assert names == {"tsmod.m\u00f3dulo", "tsmod.m\u00f3dulo.Basis"}

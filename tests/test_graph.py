@@ -1309,3 +1309,17 @@ def test_names_in_any_script_are_object_types_of_their_own() -> None:
     for node in nodes:  # each a node the projector takes
         wire = OntologyNode(domain=node.domain, name=node.name, kind=node.kind)
         NodeUpserted.model_validate({"type": "node.upserted", "node": wire.model_dump(by_alias=True)})
+
+
+def test_a_package_below_the_top_named_decomposed_is_imported_composed() -> None:
+    """A review's: a ``src`` layout's package named with a decomposed accent was imported by its composed name
+    (as Python reads it), and the import resolved to nothing."""
+    _nodes, links = python_graph({
+        "src/cafe\u0301/__init__.py": "",
+        "src/cafe\u0301/pricing.py": "def total():\n    return 1\n",
+        "src/app/__init__.py": "",
+        "src/app/main.py": "from caf\u00e9.pricing import total\n",
+    })  # fmt: skip
+    assert ("src.app.main", "imports", "src.caf\u00e9.pricing") in {
+        (k.source_type, k.name, k.target_type) for k in links
+    }

@@ -124,7 +124,7 @@ def object_type_name(dotted: str) -> str:
     """A dotted name made valid as an objectType: its letters, digits and marks of any script and ``_.$-`` kept,
     any other character ``_``; no leading digit; 512 at most. A tester's ``class Животное`` and ``class Растение``
     were both ``________`` (any letter past ASCII was ``_``), one node of the graph."""
-    cleaned = "".join(map(_object_type_character, dotted)).strip(".") or "_"
+    cleaned = "".join(map(_object_type_character, as_python_reads(dotted))).strip(".") or "_"
     valid = f"_{cleaned}" if not (cleaned[0].isalpha() or cleaned[0] == "_") else cleaned
     return valid[:MAX_OBJECT_TYPE_CHARS]
 
@@ -218,8 +218,13 @@ def module_name(path: str, package: str | None = None) -> str:
     parts = [*([package] if package else []), *path.removesuffix(".py").split("/")]
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
-    dotted = ".".join(parts)
-    return dotted if dotted.isascii() else unicodedata.normalize("NFKC", dotted)
+    return as_python_reads(".".join(parts))
+
+
+def as_python_reads(name: str) -> str:
+    """A name in the form Python reads identifiers in (NFKC), as a query's name is read: composed accents where a
+    file name (as macOS writes names) or the source had them decomposed, plain letters for ligatures."""
+    return name if name.isascii() else unicodedata.normalize("NFKC", name)
 
 
 def tree_package(root_name: str, paths: Iterable[str], named: str | None = None) -> str | None:

@@ -30,6 +30,7 @@ from .chunking import (
     Chunk,
     ChunkLevel,
     UniqueKeys,
+    as_python_reads,
     bounded_symbol,
     cut_chunk,
     file_lines,
@@ -209,8 +210,9 @@ def chunk_code(path: str, source: str, max_content_bytes: int, unread: str | Non
 
 def module_name(path: str) -> str:
     """The dotted name of a source file's chunks, after its path: ``web/src/api.ts`` is ``web.src.api``, and
-    ``index.d.ts`` is ``index``."""
-    return path.removesuffix(suffix_of(path)).removesuffix(".d").replace("/", ".")
+    ``index.d.ts`` is ``index``; in the form Python reads names in (:func:`as_python_reads`), as a query's name is
+    read (a Unicode tester's ``módulo.ts``, its name decomposed, was found by neither spelling)."""
+    return as_python_reads(path.removesuffix(suffix_of(path)).removesuffix(".d").replace("/", "."))
 
 
 def rust_module_of(path: str) -> tuple[str, tuple[str, ...]]:

@@ -53,7 +53,7 @@ import tree_sitter
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS
 
-from .chunking import ChunkLevel, bounded_symbol, file_lines, object_type_name, suffix_of
+from .chunking import ChunkLevel, as_python_reads, bounded_symbol, file_lines, object_type_name, suffix_of
 from .code import (
     LANGUAGES,
     Declared,
@@ -325,6 +325,11 @@ class _Tree:
 
     def __init__(self, paths: frozenset[str], go_modules: dict[str, str], rust_crates: dict[str, str]) -> None:
         self.paths = paths
+        self.paths_read: dict[str, str] = {}
+        for path in sorted(paths):
+            self.paths_read.setdefault(as_python_reads(path), path)
+        """Each file's path as names are read (:func:`as_python_reads`) -> the path: an import spelling a file's
+        decomposed name composed (a Unicode tester's) names that file."""
         self.files: dict[str, _File] = {}
         self.go_modules = go_modules
         self.rust_crates = rust_crates
@@ -704,7 +709,11 @@ class _Tree:
             *(stem + s for s in _JAVASCRIPT_SUFFIXES),
             *(f"{joined}/index{s}" for s in _JAVASCRIPT_SUFFIXES),
         ]
-        return next((c for c in candidates if c in self.paths), None)
+        return next((path for c in candidates if (path := self.path_named(c)) is not None), None)
+
+    def path_named(self, written: str) -> str | None:
+        """The file of the tree at ``written``, or else the one whose path reads as it (:attr:`paths_read`)."""
+        return written if written in self.paths else self.paths_read.get(as_python_reads(written))
 
     def _go_import(self, read: _File, alias: str | None, written: str) -> None:
         directory = self.go_directory(written)

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS, OntologyNode, link_key
 
-from .chunking import assigned_names, at_level, is_overload, module_name, object_type_name
+from .chunking import as_python_reads, assigned_names, at_level, is_overload, module_name, object_type_name
 
 MAX_REEXPORT_HOPS = 4
 
@@ -103,7 +103,7 @@ def _import_names(modules: Mapping[str, _Module]) -> dict[str, _Module]:
         if top == 0 or top == len(directories):  # named from the tree's top already, or in no package
             continue
         stem = file.removesuffix(".py")
-        name = ".".join([*directories[top:], *([] if stem == "__init__" else [stem])])
+        name = as_python_reads(".".join([*directories[top:], *([] if stem == "__init__" else [stem])]))
         roots.setdefault(directories[top], set()).add("/".join(directories[:top]))
         if name not in modules:
             names[name] = module

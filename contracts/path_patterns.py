@@ -23,9 +23,23 @@ def pattern_problem(written: str) -> str | None:
     :data:`MAX_GLOBSTARS` ``**`` directories."""
     if written.startswith("!"):
         return f"{written!r} starts with !, which negates a pattern in .gitignore: name what to leave out instead"
-    if len(_GLOBSTAR.findall(unescaped(written))) > MAX_GLOBSTARS:
+    pattern = unescaped(written)
+    if len(_GLOBSTAR.findall(pattern)) > MAX_GLOBSTARS:
         return f"{written!r} holds more than {MAX_GLOBSTARS} ** directories"
+    opened = (index for index, char in enumerate(pattern) if char == "[")
+    if any("/" in pattern[index + 1 : _class_close(pattern, index + 1)] for index in opened):
+        # git's classes match no `/`; here one did, and a review's `[!/**/]` read two ways
+        return f"{written!r} holds / within a [...] class, which matches no / in a path"
     return None
+
+
+def _class_close(pattern: str, start: int) -> int:
+    """Where the class opened just before ``start`` closes (its ``]``), as fnmatch reads it (a ``]`` first, or
+    after ``!``, is a member); its start when it does not close (the ``[`` is itself, and holds nothing)."""
+    end = start + (start < len(pattern) and pattern[start] == "!")
+    end += end < len(pattern) and pattern[end] == "]"
+    close = pattern.find("]", end)
+    return close if close >= 0 else start
 
 
 def unescaped(written: str) -> str:
@@ -143,13 +157,8 @@ def _glob_body(pattern: str, within_a_name: bool) -> str:
         elif char == "?":
             out.append(one)
         elif char == "[":
-            end = index
-            if end < len(pattern) and pattern[end] == "!":
-                end += 1
-            if end < len(pattern) and pattern[end] == "]":
-                end += 1
-            end = pattern.find("]", end)
-            if end < 0:  # no class: a bracket itself, as fnmatch reads it
+            end = _class_close(pattern, index)
+            if end == index:  # no class: a bracket itself, as fnmatch reads it
                 out.append(r"\[")
                 continue
             members = pattern[index:end]

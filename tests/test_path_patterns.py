@@ -94,3 +94,7 @@ def test_a_pattern_git_would_read_otherwise_is_refused_with_why() -> None:
     many = "/".join(["a", *["**", "b"] * (MAX_GLOBSTARS + 1)])
     assert f"more than {MAX_GLOBSTARS}" in (pattern_problem(many) or "")
     assert pattern_problem("/".join(["a", *["**", "b"] * MAX_GLOBSTARS])) is None
+    # A class holding / (a review's `[!/**/]` was read one way by the ingest, another by the database).
+    assert "within a [...] class" in (pattern_problem("src/[!/**/]x.py") or "")
+    assert pattern_problem("src/[ab]/x[!c].py") is None
+    assert pattern_problem("a[/b") is None  # no class: the bracket itself

@@ -11,14 +11,18 @@ ACTED_ON = "\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
 newline (escape sequences clear the screen, set the window's title, write the clipboard) and the bidirectional
 overrides (which reorder the text shown)."""
 _ACTED_ON_IN_LINES = re.compile(f"[{ACTED_ON}]")
-_ACTED_ON_IN_A_LINE = re.compile(f"[{ACTED_ON}\n]")
+_ACTED_ON_IN_A_LINE = re.compile(f"[{ACTED_ON}\n\u2028\u2029\u200b-\u200f\u2060-\u2064\ufeff]")
+"""On one line, also what breaks it (the line and paragraph separators) and what shows nothing (zero-width
+characters, joiners, marks): a Unicode tester's pasted zero-width space in a path, the reason it matched nothing,
+was no longer seen once the header showed letters as written."""
 
 
 def printable(text: str, lines: bool = False) -> str:
     """``text`` with each character a terminal would act on written as its escape (``\\x1b``, ``\\u202e``), and
-    each line break too unless ``lines``: what a tenant sent (a dead letter's body and the reason quoting it, a
-    document's content) reached an operator's terminal as it came, and could clear it or set its title (an outside
-    tester's); a file's name with line breaks wrote result lines of its own into the text an agent reads (another's)."""
+    each line break and character that shows nothing too unless ``lines``: what a tenant sent (a dead letter's
+    body and the reason quoting it, a document's content) reached an operator's terminal as it came, and could
+    clear it or set its title (an outside tester's); a file's name with line breaks wrote result lines of its own
+    into the text an agent reads (another's)."""
     found = _ACTED_ON_IN_LINES if lines else _ACTED_ON_IN_A_LINE
     return found.sub(lambda match: repr(match.group())[1:-1], text)
 

@@ -2079,9 +2079,9 @@ def test_the_query_table_prints_what_a_tenant_wrote_as_text() -> None:
     render_reply(console, asked, refused)
     assert 'topK=10, relatedTo=callers:to_seconds, objectType=["a","b"]' in console.export_text()
     # Letters as written, controls still escaped (a Unicode tester's paths showed as \\u540d\\u524d).
-    render_reply(console, {"paths": ["名前/*.md", "x\u202e\x9b"]}, refused)
+    render_reply(console, {"paths": ["名前/*.md", "x\u202e\x9b", "zw\u200b"]}, refused)
     shown = console.export_text()
-    assert 'paths=["名前/*.md","x\\u202e\\x9b"]' in shown
+    assert 'paths=["名前/*.md","x\\u202e\\x9b","zw\\u200b"]' in shown  # what shows nothing, seen (a retest's)
     assert not any(c in shown for c in "\u202e\x9b")
 
 

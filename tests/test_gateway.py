@@ -771,6 +771,11 @@ async def test_an_ill_formed_request_over_http_is_refused_naming_the_field(deplo
         assert chunked.status_code == 413, chunked.text  # it was the SDK's plain text (a verifier's)
         assert chunked.json()["error"]["code"] == -32600
         assert "more than the 4194304 bytes this gateway reads" in chunked.json()["error"]["message"]
+        # A byte-order mark before the JSON: said, where the SDK said "expected value at line 1 column 1" (a tester's).
+        marked = await http.post(url, content=b"\xef\xbb\xbf" + json.dumps(cancelled).encode())
+        assert marked.status_code == 400
+        assert marked.json()["error"]["code"] == -32700
+        assert "byte-order mark" in marked.json()["error"]["message"]
         latin = (await http.post(url, content=LATIN_1)).json()
         assert (latin["id"], latin["error"]["code"]) == (27, -32602)
         assert latin["error"]["message"] == "params.arguments.semanticQuery: not valid UTF-8"

@@ -10,6 +10,7 @@ timeout, never a hang.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 import secrets
@@ -43,7 +44,7 @@ from ontofabric.contracts.documents import WORKSPACE
 from ontofabric.contracts.query import ErrorCode, clipped
 from ontofabric.services.query.client import ConnectionDown, QueryClient, RequestTooLarge
 from ontofabric.services.query.requests import read_request, repeated_keys_by_item
-from ontofabric.shared.half_characters import HALF_CHARACTER, surrogate_field
+from ontofabric.shared.half_characters import BYTE_ORDER_MARK, HALF_CHARACTER, surrogate_field
 from ontofabric.shared.jetstream import PermissionDenied
 from ontofabric.shared.logging import get_logger
 from ontofabric.shared.lru import LruCache
@@ -797,6 +798,8 @@ def _answer_to_misread(body: bytes) -> tuple[int, dict[str, Any] | None] | None:
     or None when the SDK reads it right."""
     if (refused := not_utf8_error(body)) is not None:
         return 400, refused.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if body.startswith(codecs.BOM_UTF8):  # the SDK's "Parse error: expected value at line 1 column 1" (a tester's)
+        return 400, {"jsonrpc": "2.0", "id": None, "error": {"code": types.PARSE_ERROR, "message": BYTE_ORDER_MARK}}
     if body.lstrip()[:1] != b"{":  # a batch or a lone value: the SDK answered -32602 with a pydantic dump
         try:
             found = json.loads(body.decode("utf-8"))  # not bytes: json reads a BOM or UTF-16 there, the SDK does not

@@ -1261,3 +1261,25 @@ async def test_a_published_javascript_package_answers_its_relations_by_its_code_
     # A name's code first, its declaration second (every lookup had the `.d.ts` signature first).
     named = await _ask(client, "pkg.client.Client", "npm")
     assert [r.metadata["filePath"] for r in named.results[:2]] == ["pkg/client.js", "pkg/client.d.ts"]
+
+
+async def test_a_name_in_any_script_is_found_ignoring_its_case_through_the_real_path(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """A Unicode tester's ``İŞLEM``, ``ПОЛЬЗОВАТЕЛЬ`` and ``işlem`` found no definition: PostgreSQL's lower() in the
+    C locale lowers ASCII alone, and callers of İŞLEM said the symbol was not indexed."""
+    files = {
+        "__init__.py": "",
+        "turk.py": "class İşlem:\n    pass\n\n\ndef пользователь():\n    return İşlem()\n",
+    }
+    await _projected(deployment, embedder, tmp_path / "intl", files, "intl")
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+    for asked, found in (
+        ("İŞLEM", "intl.turk.İşlem (type)"), ("işlem", "intl.turk.İşlem (type)"),
+        ("ПОЛЬЗОВАТЕЛЬ", "intl.turk.пользователь (method)"), ("intl.turk.İŞLEM", "intl.turk.İşlem (type)"),
+    ):  # fmt: skip
+        reply = await _ask(client, asked, workspace="intl")
+        assert (_names(reply)[0], reply.meta.exact_symbol_matches) == (found, 1), asked
+    callers = await _ask(client, "x", workspace="intl", relatedTo={"relation": "callers", "symbol": "İŞLEM"})
+    assert _found_by(callers, "caller") == ["intl.turk.пользователь"]

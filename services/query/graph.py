@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ontofabric.contracts import MAIN_BRANCH
+from ontofabric.shared.analysis import folded
 from ontofabric.shared.lru import LruCache
 
 from .cache import VersionKey, by_workspace, drop_stale, drop_workspace
@@ -78,7 +79,7 @@ class OntologyGraph:
             *(end for source, _, target in self.links for end in (source, target)),
         }
         for object_type in sorted(mentioned):
-            self._by_last_part.setdefault(last_part(object_type).lower(), []).append(object_type)
+            self._by_last_part.setdefault(folded(last_part(object_type)), []).append(object_type)
         for object_type, bases in self.interfaces.items():
             for base in bases:
                 self._subtypes.setdefault(base, set()).add(object_type)
@@ -166,7 +167,7 @@ class OntologyGraph:
         classes derives from (an agent tester's answer listed that class as deriving from the symbol asked)."""
         matched = sorted(
             (quality, object_type)
-            for object_type in self._by_last_part.get(last_part(name).lower(), ())
+            for object_type in self._by_last_part.get(folded(last_part(name)), ())
             if (quality := match_quality(object_type, name)) is not None
         )
         kept = qualities_kept(matched[0][0], name) if matched else range(0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from ontofabric.shared.analysis import folded
+
 _CAPITALS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"  # spelt out: what a range covers depends on the database's collation
 PRIVATE_PART = rf"[.]_[^_.{_CAPITALS}][^.]*(?=[.])"
 """A module part of a qualified name that is private by Python's convention (``._client`` of
@@ -29,10 +31,11 @@ def published_name(symbol_fqn: str) -> str:
 def match_quality(symbol_fqn: str, name: str) -> int | None:
     """How well a symbol's qualified name matches the asked ``name``, best first: 0 it is the name, 1 it ends with
     it (the name's parts are its last parts), 2 it is the name without its private parts (``published_name``); 3,
-    4 and 5 the same ignoring case; None when none of these. Below ``AS_WRITTEN``: matched as written."""
+    4 and 5 the same ignoring case in any script (:func:`folded`); None when none of these. Below ``AS_WRITTEN``:
+    matched as written."""
     published = published_name(symbol_fqn)  # of the name as written: a class's part is told by its capital
     for ignoring_case, (fqn, asked, without_private) in enumerate(
-        ((symbol_fqn, name, published), (symbol_fqn.lower(), name.lower(), published.lower()))
+        ((symbol_fqn, name, published), (folded(symbol_fqn), folded(name), folded(published)))
     ):
         if fqn == asked:
             return AS_WRITTEN * ignoring_case

@@ -504,7 +504,8 @@ by version: raised with every change to it, so that the documents indexed before
 status``) and brought up to date (``ontofabric rebuild``). 1: the own name weighed (2026-11-30); 2: text other than
 ASCII made comparable and case-folded (shared/analysis.py, 2026-12-02: a document all ASCII is indexed as under 1);
 3: a hyphenated word's parts also written together (2026-12-05: a document without one is indexed as under 2); 4:
-punctuation and symbols past ASCII read as spaces (2026-12-07: a document without any is indexed as under 3); 0 is
+punctuation, symbols and enclosing marks past ASCII read as spaces, variation selectors dropped, a hyphen past ASCII
+read as ``-``, identifiers with combining marks whole (2026-12-07: a document without any is indexed as under 3); 0 is
 what rows written before the version was recorded read (infra/migrations/0024)."""
 
 NAME_REPEATS = 8

@@ -247,6 +247,12 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("which modules import the AckPolicy enum", (IMPORTER, "AckPolicy")),
         ("what implements the ParserProto protocol?", (SUBCLASS, "ParserProto")),
         ("who uses the decorator retry_if", (CALLER, "retry_if")),
+        # A word called by another kind is no name (a retest's: each was asked of the word, at score 1).
+        ("what implements the parser protocol", None),
+        ("who calls the exception handler", None),
+        ("which modules import the message protocol", None),
+        ("what uses the property cache", None),
+        ("what calls the function retry", (CALLER, "retry")),  # a plain kind names any
         ("what subclasses नमस्ते", (SUBCLASS, "नमस्ते")),  # a name with combining marks (a Unicode tester's)
         ("what calls كَتَبَ", (CALLER, "كَتَبَ")),
         # Not a lookup: another question, words besides the name, no name.
@@ -403,6 +409,7 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
     # published as it, nor one ending with it (an agent tester's faststream.types took faststream._internal.types).
     collide = {"public": "pkg.types", "private": "pkg._internal.types", "deeper": "vendor.pkg.types"}
     assert [hit.id for hit in definitions_first("pkg.types", collide, [], 10)] == ["public"]
+    assert [hit.id for hit in definitions_first("pkg.Types", collide, [], 10)] == ["public"]  # ignoring case too
     assert [hit.id for hit in definitions_first("types", collide, [], 10)] == ["public", "deeper", "private"]
     del collide["public"]  # without it, the others are what the name is
     assert [hit.id for hit in definitions_first("pkg.types", collide, [], 10)] == ["deeper", "private"]

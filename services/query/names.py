@@ -54,7 +54,8 @@ def qualities_kept(best: int, name: str) -> range:
     """The match qualities (:func:`match_quality`) that name what ``name`` asks for, where ``best`` is the best
     found: a dotted name that is a symbol's whole qualified name names that symbol alone (an agent tester's
     ``faststream.types`` also named ``faststream._internal.types``, published as it, and ``importers`` listed that
-    one's 78 importers of a module no file imports); else the names matching as written; else any."""
-    if best == 0 and "." in name.strip("."):
-        return range(1)
+    one's 78 importers of a module no file imports), and so does one that is it ignoring case alone, where none is
+    it as written (a retest's ``faststream.Types``); else the names matching as written; else any."""
+    if best in (0, AS_WRITTEN) and "." in name.strip("."):  # the whole name, as written or ignoring case alone
+        return range(best, best + 1)
     return range(AS_WRITTEN) if best < AS_WRITTEN else range(2 * AS_WRITTEN)

@@ -297,7 +297,10 @@ _KIND = (
 )
 """What a question may call the symbol it names, before or after its name: an agent tester's ``who calls the async
 context manager _start_hooks_context`` and ``which modules import the AckPolicy enum`` were searched in words."""
-_THE = rf"(?:the\s+)?(?:{_KIND}\s+)?{_NAME}(?:\s+{_KIND})?"
+_THE = rf"(?:the\s+)?(?:(?P<kind_before>{_KIND})\s+)?{_NAME}(?:\s+(?P<kind_after>{_KIND}))?"
+_PLAIN_KINDS = frozenset({"function", "method", "class", "constructor", "module", "package", "interface"})
+"""The kinds a question names any symbol by (``the function retry``); by another (``the parser protocol``, ``the
+exception handler``) the name is one only where code writes it so: :func:`_named_by_kind`."""
 _ASKED = r"(?:what|who|which)(?:\s+\w+){0,2}?"  # what / which functions / what code in the package
 _LISTED = r"(?:(?:find|list|show|get|(?:what|which)\s+(?:is|are))\s+)?(?:all\s+|the\s+)?"  # what are the bases of C
 _THAT = r"(?:\s+(?:that|which))?"
@@ -417,9 +420,21 @@ def relation_of(text: str) -> tuple[str, str] | None:
         name = as_path or (identifier_of(found.group("name"), hyphens=True) if found is not None else None)
         if name is not None and relation in (RAISERS, RAISED) and not _exception_shaped(name, relation == RAISED):
             continue
+        if name is not None and not as_path and not _named_by_kind(found, name):
+            continue
         if name is not None and name.lower() not in _NOT_NAMES:
             return (CALLER if relation in (RAISERS, RAISED) else relation), name
     return None
+
+
+def _named_by_kind(found: re.Match[str] | None, name: str) -> bool:
+    """Whether a name the question calls by a kind is one: by a kind of :data:`_PLAIN_KINDS`, or none, any; by
+    another, one code writes so or capitalised (``the AckPolicy enum``, ``the async context manager
+    _start_hooks_context``), not a word (a retest's "what implements the parser protocol" and "who calls the
+    exception handler" were asked of ``parser`` and ``handler``)."""
+    said = (found.groupdict().get("kind_before") or found.groupdict().get("kind_after")) if found else None
+    kind = " ".join(said.lower().split()) if said else None
+    return kind is None or kind in _PLAIN_KINDS or code_shaped(name) or name[:1].isupper()
 
 
 def _module_of_path(path: str) -> str | None:

@@ -1480,3 +1480,19 @@ async def test_ingest_leaves_out_what_exclude_names_and_deletes_what_it_had_publ
     )  # fmt: skip
     assert first.returncode == 0, first.stderr
     assert "holds no source file this ingester reads (.py, .md, .rst, .txt, .yaml" in " ".join(first.stderr.split())
+
+
+def test_a_chunk_whose_names_past_ascii_a_release_reads_otherwise_is_sent_again(tmp_path: Path) -> None:
+    """A review's: object types and module names renamed (letters kept, NFKC) never reached the documents of files
+    that did not change, since the manifest kept their content alone. Names past ASCII go into it; others do not, so
+    that their values stay."""
+    import dataclasses
+
+    from ontofabric.services.ingest.ingester import _derived_state, chunk_tree
+
+    _write(tmp_path, {"tiere.py": "class Животное:\n    pass\n", "plain.py": "class Animal:\n    pass\n"})
+    chunks = {c.symbol_fqn: c for c in chunk_tree(tmp_path, 1 << 20)}
+    named = chunks["tiere.Животное"]
+    renamed = dataclasses.replace(named, object_type="tiere.________")  # as an earlier release named it
+    assert _derived_state(named) != _derived_state(renamed)
+    assert "|names:" not in _derived_state(chunks["plain.Animal"])

@@ -527,15 +527,24 @@ def _carried(names: Sequence[str], share_bytes: int, count: int) -> tuple[str, .
 
 
 def _derived_state(chunk: Chunk) -> str:
-    """What the manifest keeps of a chunk's calls, assigned names and lines, beside its content: nothing of calls
-    or names when it has none, so that chunks without them keep the values they had before either was carried.
+    """What the manifest keeps of a chunk's calls, assigned names, names past ASCII and lines, beside its content:
+    nothing of calls or names when it has none, so that chunks without them keep the values they had before either
+    was carried.
     Lines move when an edit above the chunk adds or removes some: it goes again with its new lines, its vectors
     from the embedding cache (its text is unchanged). A chunk with no text goes without vectors: said, so that one
     sent with a vector of its name alone before that is sent again (a review's)."""
     calls = f"|calls:{hashlib.sha256(chr(10).join(chunk.calls).encode()).hexdigest()[:16]}" if chunk.calls else ""
     lines = f"|lines:{chunk.lines[0]}-{chunk.lines[1]}" if chunk.lines is not None else ""
     vectors = "" if chunk.content.strip() else "|no-vectors"
-    derived = {"defines": carried_defines(chunk.defines), "aliases": chunk.aliases}
+    # Names past ASCII, which a release may read otherwise from the same path and content (in the form Python
+    # reads names in, object types keeping their letters): a review's renamed names never reached the documents of
+    # files that did not change. Only for such names, so that others keep the values they had.
+    named = (chunk.symbol_fqn, chunk.object_type)
+    derived = {
+        "defines": carried_defines(chunk.defines),
+        "aliases": chunk.aliases,
+        "names": () if all(name.isascii() for name in named) else named,
+    }
     return (
         calls
         + lines

@@ -62,13 +62,16 @@ MAIN_SQL = f"'{MAIN_BRANCH}'"
 """The main branch as an SQL literal."""
 
 
-def lowered(expression: str) -> str:
-    """``expression`` lower case by Unicode's simple case mapping (``İŞLEM`` -> ``işlem``), where ``lower()`` in the C
-    locale lowers ASCII alone (a Unicode tester's): the builtin collation pg_c_utf8 (PostgreSQL 17 and later)."""
-    return f"lower(({expression}) COLLATE pg_c_utf8)"
+def folded_sql(expression: str) -> str:
+    """``expression`` case-folded as :func:`shared.analysis.folded` folds a name in Python (Unicode's full case
+    folding, a dotted capital I as ``i``: ``İŞLEM`` -> ``işlem``, ``Straße`` -> ``strasse``, ``ΛΌΓΟΣ`` -> ``λόγοσ``),
+    where ``lower()`` in the C locale lowers ASCII alone (a Unicode tester's); a retest's ``STRASSE`` found its class
+    by relation (Python) and not by name (SQL) while the two folded otherwise. PostgreSQL 18's casefold() by its
+    builtin collation pg_unicode_fast."""
+    return f"replace(casefold(({expression}) COLLATE pg_unicode_fast), 'i' || chr(775), 'i')"
 
 
-SYMBOL_NAME_SQL = lowered("regexp_replace(symbol_fqn, '^.*[.]', '')")
+SYMBOL_NAME_SQL = folded_sql("regexp_replace(symbol_fqn, '^.*[.]', '')")
 """The last dotted part of a document's qualified name, lower case: what a name is looked up by (the expression of
 documents_symbol_name_folded, infra/migrations/0036)."""
 MAX_CHAR = 0x10FFFF
@@ -77,8 +80,9 @@ with ``p``."""
 PUBLISHED_SQL = f"regexp_replace(symbol_fqn, '{PRIVATE_PART}', '', 'g')"
 """The qualified name without its private parts (names.published_name)."""
 NAMES_SQL = (
-    f"({lowered('symbol_fqn')} = {lowered('$2')} OR right({lowered('symbol_fqn')}, length($2) + 1) = '.' || "
-    f"{lowered('$2')} OR {lowered(PUBLISHED_SQL)} = {lowered('$2')})"
+    f"({folded_sql('symbol_fqn')} = {folded_sql('$2')}"
+    f" OR right({folded_sql('symbol_fqn')}, length({folded_sql('$2')}) + 1) = '.' || {folded_sql('$2')}"
+    f" OR {folded_sql(PUBLISHED_SQL)} = {folded_sql('$2')})"
 )
 """The qualified name is the name in $2, or ends with "." and it, or is it without its private parts, ignoring
 case (names.match_quality)."""
@@ -795,7 +799,7 @@ class PostgresDocuments:
             # matched whole: the qualified name is the name, or ends with "." and the name.
             rows = await snapshot.conn.fetch(
                 f"""SELECT id, symbol_fqn, chunk_level FROM documents
-                    WHERE {SYMBOL_NAME_SQL} = {lowered("$1")}
+                    WHERE {SYMBOL_NAME_SQL} = {folded_sql("$1")}
                       AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {where}
                     ORDER BY symbol_fqn = $2 DESC, right(symbol_fqn, length($2) + 1) = '.' || $2 DESC,
                              {PUBLISHED_SQL} = $2 DESC, chunk_level = 'file', length(symbol_fqn), id
@@ -885,7 +889,7 @@ class PostgresDocuments:
         )  # fmt: skip
         start, end = "(metadata ->> 'startLine')::int", "(metadata ->> 'endLine')::int"
         holds_line = f"coalesce({start} <= $4 AND {end} >= $4, false)"
-        named = f"coalesce({SYMBOL_NAME_SQL} = {lowered('$5')}, false)"
+        named = f"coalesce({SYMBOL_NAME_SQL} = {folded_sql('$5')}, false)"
         async with self._snapshots.read(scope, alone=True) as snapshot:
             # The branches read, said apart from the overlay's condition: the index's range on the path's end
             # needs the branch as a condition of its own (a review's PostgreSQL 17 read the workspace's every entry).
@@ -953,7 +957,7 @@ class PostgresDocuments:
             # And the module assigning a name called (`concat = "".join`), through documents_defines (0028): a
             # review's "what does joined call" found nothing where its calls held the name. A module's alone: a
             # Java class's field named as a method it has (`packageName`) made the class a callee (a retest's).
-            f"""(({SYMBOL_NAME_SQL} = ANY(ARRAY(SELECT {lowered("regexp_replace(fqn, '^.*[.]', '')")} FROM called))
+            f"""(({SYMBOL_NAME_SQL} = ANY(ARRAY(SELECT {folded_sql("regexp_replace(fqn, '^.*[.]', '')")} FROM called))
                   AND symbol_fqn IN (SELECT fqn FROM called) AND chunk_level IN ('type', 'method'))
                  OR (chunk_level = 'file' AND metadata ? 'defines'
                      AND metadata -> 'defines' ?| ARRAY(SELECT regexp_replace(fqn, '^.*[.]', '') FROM called)
@@ -992,7 +996,7 @@ class PostgresDocuments:
                                symbol_fqn = $2 OR right(symbol_fqn, length($2) + 1) = '.' || $2
                                    OR {PUBLISHED_SQL} = $2 AS as_written
                         FROM documents
-                        WHERE {SYMBOL_NAME_SQL} = {lowered("$1")}
+                        WHERE {SYMBOL_NAME_SQL} = {folded_sql("$1")}
                           AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}
                         UNION
                         SELECT named, NULL, true

@@ -26,10 +26,13 @@ def pattern_problem(written: str) -> str | None:
     pattern = unescaped(written)
     if len(_GLOBSTAR.findall(pattern)) > MAX_GLOBSTARS:
         return f"{written!r} holds more than {MAX_GLOBSTARS} ** directories"
-    opened = (index for index, char in enumerate(pattern) if char == "[")
-    if any("/" in pattern[index + 1 : _class_close(pattern, index + 1)] for index in opened):
-        # git's classes match no `/`; here one did, and a review's `[!/**/]` read two ways
-        return f"{written!r} holds / within a [...] class, which matches no / in a path"
+    index = pattern.find("[")
+    while index >= 0:  # each class as fnmatch reads them, left to right: a `[` within one opens none
+        close = _class_close(pattern, index + 1)
+        if "/" in pattern[index + 1 : close]:
+            # git's classes match no `/`; here one did, and a review's `[!/**/]` read two ways
+            return f"{written!r} holds / within a [...] class, which matches no / in a path"
+        index = pattern.find("[", close + 1 if close > index + 1 else index + 1)
     return None
 
 

@@ -98,3 +98,5 @@ def test_a_pattern_git_would_read_otherwise_is_refused_with_why() -> None:
     assert "within a [...] class" in (pattern_problem("src/[!/**/]x.py") or "")
     assert pattern_problem("src/[ab]/x[!c].py") is None
     assert pattern_problem("a[/b") is None  # no class: the bracket itself
+    assert pattern_problem("a\\[/b]") is None  # an escaped bracket opens no class (a review's was refused)
+    assert pattern_problem("app/\\[slug\\]/page.tsx") is None

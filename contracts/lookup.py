@@ -88,8 +88,8 @@ class BranchStatus(WireModel):
     hidden: int = Field(
         default=0,
         description="On a branch: main's live documents its tombstones hide, each by its id (a tombstone of an id "
-        "main does not hold hides nothing; a file deleted on the branch hides main's later chunks of it too). 0 on "
-        "main, and from a worker older than this field.",
+        "main does not hold hides nothing). A file deleted on the branch hides main's later chunks of it too, which "
+        "are not counted here. 0 on main, and from a worker older than this field.",
     )
     latest_seq: int | None = Field(description="The stream sequence of its last published delta; null when none.")
     pending_deltas: int = Field(description="Its deltas published past indexedSeq: not yet in the index.")

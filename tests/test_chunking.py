@@ -640,6 +640,9 @@ def test_names() -> None:
     assert module_name("setup.py") == "setup"
     assert module_name("pkg/nfd_mode\u0301.py") == "pkg.nfd_mod\u00e9"  # as Python reads the name importing it
     assert module_name("\ufb01le_lig.py") == "file_lig"
+    assert module_name("src/a\uff0fb.py") == "src.a\uff0fb"  # a form holding a separator is kept (a review's)
+    assert module_name("src/a\uff0eb.py") != module_name("src/a/b.py")
+    assert object_type_name("m.x\U000e0100y") == "m.x_y"  # a variation selector past the planes shows nothing
     assert object_type_name("2fa.helpers") == "_2fa.helpers"
     assert object_type_name("my pkg.mod") == "my_pkg.mod"
     assert truncate_utf8("héllo", 2) == "h"

@@ -140,7 +140,9 @@ def _object_type_character(char: str) -> str:
     return char
 
 
-_REFUSED_IN_NAMES = re.compile(f"[{NOT_IN_NAMES}]")
+_REFUSED_IN_NAMES = re.compile(f"[{NOT_IN_NAMES}\U000e0000-\U000e01ef]")
+"""What :data:`NOT_IN_NAMES` refuses, and past the planes a JSON Schema's pattern can state, the tags and the
+variation selectors there (a review's ``x\U000e0100y`` was kept as it is)."""
 
 
 def whole_characters(text: str) -> str:
@@ -223,8 +225,18 @@ def module_name(path: str, package: str | None = None) -> str:
 
 def as_python_reads(name: str) -> str:
     """A name in the form Python reads identifiers in (NFKC), as a query's name is read: composed accents where a
-    file name (as macOS writes names) or the source had them decomposed, plain letters for ligatures."""
-    return name if name.isascii() else unicodedata.normalize("NFKC", name)
+    file name (as macOS writes names) or the source had them decomposed, plain letters for ligatures. Each part
+    between dots and slashes on its own, kept as it is where its form would hold one (``a／b``, ``a．b``: a review's
+    made ``src/a．b.ts`` the module of ``src/a/b.ts``)."""
+    return name if name.isascii() else _NAME_PART.sub(_part_as_read, name)
+
+
+_NAME_PART = re.compile(r"[^./]+")
+
+
+def _part_as_read(part: re.Match[str]) -> str:
+    read = unicodedata.normalize("NFKC", part.group(0))
+    return part.group(0) if "." in read or "/" in read else read
 
 
 def tree_package(root_name: str, paths: Iterable[str], named: str | None = None) -> str | None:

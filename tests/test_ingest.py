@@ -1496,3 +1496,7 @@ def test_a_chunk_whose_names_past_ascii_a_release_reads_otherwise_is_sent_again(
     renamed = dataclasses.replace(named, object_type="tiere.________")  # as an earlier release named it
     assert _derived_state(named) != _derived_state(renamed)
     assert "|names:" not in _derived_state(chunks["plain.Animal"])
+    # A name that became ASCII as Python reads it (a review's `ﬁle.ts`, once `ﬁle`, now `file`) goes too.
+    _write(tmp_path, {"\ufb01le.ts": "export class Box {}\n"})
+    (ligature,) = [c for c in chunk_tree(tmp_path, 1 << 20) if c.symbol_fqn == "file.Box"]
+    assert "|names:" in _derived_state(ligature)

@@ -540,10 +540,11 @@ def _derived_state(chunk: Chunk) -> str:
     # reads names in, object types keeping their letters): a review's renamed names never reached the documents of
     # files that did not change. Only for such names, so that others keep the values they had.
     named = (chunk.symbol_fqn, chunk.object_type)
+    written = (chunk.symbol_key, *named)  # the key holds the path and the names as written: `ﬁle.ts` is `file` now
     derived = {
         "defines": carried_defines(chunk.defines),
         "aliases": chunk.aliases,
-        "names": () if all(name.isascii() for name in named) else named,
+        "names": () if all(name.isascii() for name in written) else named,
     }
     return (
         calls

@@ -253,6 +253,9 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("which modules import the message protocol", None),
         ("what uses the property cache", None),
         ("what calls the function retry", (CALLER, "retry")),  # a plain kind names any
+        ("who calls the async function fetch", (CALLER, "fetch")),  # with a word before it (a review's)
+        ("what subclasses the base class handler", (SUBCLASS, "handler")),
+        ("what implements the `parser` protocol", (SUBCLASS, "parser")),  # in backticks: code
         ("what subclasses नमस्ते", (SUBCLASS, "नमस्ते")),  # a name with combining marks (a Unicode tester's)
         ("what calls كَتَبَ", (CALLER, "كَتَبَ")),
         # Not a lookup: another question, words besides the name, no name.
@@ -1295,3 +1298,26 @@ async def test_a_name_in_any_script_is_found_ignoring_its_case_through_the_real_
     assert _found_by(callers, "caller") == ["intl.turk.пользователь"]
     folded = await _ask(client, "x", workspace="intl", relatedTo={"relation": "callers", "symbol": "STRASSE"})
     assert _found_by(folded, "caller") == ["intl.greek.build"]
+
+
+async def test_callers_of_a_whole_dotted_name_are_its_own_alone_through_the_real_path(
+    deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
+) -> None:
+    """A review's: callers pooled a private module's function published under the name asked with the one that is
+    it (faststream.types beside faststream._internal.types), where definitions and importers no longer did."""
+    files = {
+        "__init__.py": "",
+        "_internal/__init__.py": "",
+        "_internal/types.py": "def pack():\n    return 1\n",
+        "types.py": "def pack():\n    return 2\n",
+        "a.py": "from ._internal.types import pack as inner\n\n\ndef use_internal():\n    return inner()\n",
+        "b.py": "from .types import pack\n\n\ndef use_public():\n    return pack()\n",
+    }
+    await _projected(deployment, embedder, tmp_path / "fsx", files, "fsx")
+    await start_query_worker(embedder, query_cache_entries=0)
+    client = QueryClient(deployment.nc, deployment.names)
+    for asked in ("fsx.types.pack", "fsx.TYPES.pack"):  # as written, and ignoring case alone
+        reply = await _ask(client, "x", workspace="fsx", relatedTo={"relation": "callers", "symbol": asked})
+        assert _found_by(reply, "caller") == ["fsx.b.use_public"], asked
+    pooled = await _ask(client, "x", workspace="fsx", relatedTo={"relation": "callers", "symbol": "types.pack"})
+    assert sorted(_found_by(pooled, "caller")) == ["fsx.a.use_internal", "fsx.b.use_public"]  # a suffix: both

@@ -428,13 +428,17 @@ def relation_of(text: str) -> tuple[str, str] | None:
 
 
 def _named_by_kind(found: re.Match[str] | None, name: str) -> bool:
-    """Whether a name the question calls by a kind is one: by a kind of :data:`_PLAIN_KINDS`, or none, any; by
-    another, one code writes so or capitalised (``the AckPolicy enum``, ``the async context manager
-    _start_hooks_context``), not a word (a retest's "what implements the parser protocol" and "who calls the
-    exception handler" were asked of ``parser`` and ``handler``)."""
+    """Whether a name the question calls by a kind is one: by a kind of :data:`_PLAIN_KINDS` (``the async function
+    fetch``, ``the base class handler``: a review's), or none, any; by another, one code writes so, capitalised or
+    in backticks (``the AckPolicy enum``, ``the async context manager _start_hooks_context``), not a word (a
+    retest's "what implements the parser protocol" and "who calls the exception handler" were asked of ``parser``
+    and ``handler``)."""
     said = (found.groupdict().get("kind_before") or found.groupdict().get("kind_after")) if found else None
-    kind = " ".join(said.lower().split()) if said else None
-    return kind is None or kind in _PLAIN_KINDS or code_shaped(name) or name[:1].isupper()
+    if found is None or said is None:
+        return True
+    kind = said.lower().split()[-1]  # "async function", "static method", "base class": the kind is the last word
+    quoted = found.start("name") > 0 and found.string[found.start("name") - 1] == "`"  # `parser`: code
+    return kind in _PLAIN_KINDS or quoted or code_shaped(name) or name[:1].isupper()
 
 
 def _module_of_path(path: str) -> str | None:

@@ -65,12 +65,33 @@ def _search_path(schema: str | None) -> dict[str, str]:
     return {} if schema is None else {"search_path": f'"{schema}", public'}
 
 
+MIN_SERVER_VERSION = 180000
+"""PostgreSQL 18: migration 0036 indexes names by its casefold(), which 17 lacks."""
+
+
+class UnsupportedServer(RuntimeError):
+    """A PostgreSQL server older than the migrations need."""
+
+
+def unsupported_server(version_num: int) -> str | None:
+    """Why a server of ``server_version_num`` cannot hold this release's schema; None when it can. Said before any
+    migration runs (a review's: on PostgreSQL 17 migration 0036 would fail with "function casefold does not
+    exist")."""
+    if version_num >= MIN_SERVER_VERSION:
+        return None
+    major = version_num // 10000
+    return f"PostgreSQL {MIN_SERVER_VERSION // 10000} or later is needed; this server is PostgreSQL {major}"
+
+
 async def migrate(database_url: str, settings: Settings, *, schema: str | None = None) -> list[str]:
     """Apply pending migrations (each in its own transaction) and check the deployment row. Idempotent.
 
     ``schema`` builds the whole schema in another namespace than ``public`` (a rebuild's shadow tables)."""
     conn = await asyncpg.connect(database_url, server_settings=_search_path(schema))
     try:
+        problem = unsupported_server(int(await conn.fetchval("SHOW server_version_num")))
+        if problem is not None:
+            raise UnsupportedServer(problem)
         await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK)
         try:
             if schema is not None:

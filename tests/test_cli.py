@@ -892,6 +892,15 @@ async def test_migrate_needs_the_database_alone(deployment: Deployment) -> None:
     assert "applied" in result.stdout
 
 
+def test_a_server_older_than_the_migrations_need_is_said_before_any_runs() -> None:
+    """A review's: on PostgreSQL 17 migration 0036 failed with "function casefold does not exist"."""
+    from ontofabric.shared.db import unsupported_server
+
+    assert unsupported_server(170005) == "PostgreSQL 18 or later is needed; this server is PostgreSQL 17"
+    assert unsupported_server(180004) is None
+    assert unsupported_server(190000) is None
+
+
 async def test_a_database_a_newer_release_migrated_is_said_to_be_so(deployment: Deployment) -> None:
     """An upgrade tester's old release started on a newer schema without a word (its ingest later failed with a
     traceback). Not refused: going back a release is a way out of a bad upgrade, and migrations only add."""

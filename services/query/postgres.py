@@ -79,6 +79,8 @@ MAX_CHAR = 0x10FFFF
 with ``p``."""
 PUBLISHED_SQL = f"regexp_replace(symbol_fqn, '{PRIVATE_PART}', '', 'g')"
 """The qualified name without its private parts (names.published_name)."""
+_DOTTED_SQL = "position('.' in btrim($2, '.')) > 0"
+"""Whether the name in $2 is dotted (names.qualities_kept)."""
 NAMES_SQL = (
     f"({folded_sql('symbol_fqn')} = {folded_sql('$2')}"
     f" OR right({folded_sql('symbol_fqn')}, length({folded_sql('$2')}) + 1) = '.' || {folded_sql('$2')}"
@@ -947,7 +949,7 @@ class PostgresDocuments:
         )
 
     async def callees(self, scope: Scope, name: str, limit: int) -> Definitions:
-        # The classes and functions the symbols' calls name, through documents_symbol_name (0014).
+        # The classes and functions the symbols' calls name, through documents_symbol_name_folded (0036).
         return await self._calls(
             scope,
             name,
@@ -990,16 +992,19 @@ class PostgresDocuments:
             # A name a chunk assigns at its level (jinja2's `concat = "".join`) is a symbol too, matched as
             # written, as definitions match it: an agent tester's "what calls concat" took the class Concat,
             # which matched only ignoring case, and answered its callers at 1.0; jinja2.utils.concat found none.
+            # A dotted name that is a symbol's whole name, as written or ignoring case alone, names it alone
+            # (names.qualities_kept: a review's faststream.types also named faststream._internal.types here).
             rows = await snapshot.conn.fetch(
                 f"""WITH matched AS (
                         SELECT DISTINCT symbol_fqn, metadata -> 'calls' AS calls,
                                symbol_fqn = $2 OR right(symbol_fqn, length($2) + 1) = '.' || $2
-                                   OR {PUBLISHED_SQL} = $2 AS as_written
+                                   OR {PUBLISHED_SQL} = $2 AS as_written,
+                               symbol_fqn = $2 AS whole, {folded_sql("symbol_fqn")} = {folded_sql("$2")} AS whole_folded
                         FROM documents
                         WHERE {SYMBOL_NAME_SQL} = {folded_sql("$1")}
                           AND {NAMES_SQL} AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}
                         UNION
-                        SELECT named, NULL, true
+                        SELECT named, NULL, true, named = $2, {folded_sql("named")} = {folded_sql("$2")}
                         FROM (SELECT symbol_fqn || '.' || $1 AS named FROM documents
                               WHERE metadata ? 'defines' AND metadata -> 'defines' ? $1 AND symbol_fqn IS NOT NULL
                                 AND chunk_level IS DISTINCT FROM 'doc' AND {anywhere}) assigned
@@ -1007,7 +1012,12 @@ class PostgresDocuments:
                               OR regexp_replace(named, '{PRIVATE_PART}', '', 'g') = $2),
                     named_symbols AS (
                         SELECT symbol_fqn, calls FROM matched
-                        WHERE as_written OR NOT EXISTS (SELECT FROM matched WHERE as_written)){more_ctes}
+                        WHERE CASE
+                            WHEN NOT {_DOTTED_SQL} THEN as_written OR NOT EXISTS (SELECT FROM matched WHERE as_written)
+                            WHEN EXISTS (SELECT FROM matched WHERE whole) THEN whole
+                            WHEN NOT EXISTS (SELECT FROM matched WHERE as_written)
+                                 AND EXISTS (SELECT FROM matched WHERE whole_folded) THEN whole_folded
+                            ELSE as_written OR NOT EXISTS (SELECT FROM matched WHERE as_written) END){more_ctes}
                     SELECT id, symbol_fqn, chunk_level,
                            ARRAY(SELECT DISTINCT symbol_fqn FROM named_symbols ORDER BY 1 LIMIT {NAMED_LISTED + 1})
                                AS named

@@ -1377,7 +1377,7 @@ def dlq_list(
             stamp = letter.stored_at.strftime("%Y-%m-%d %H:%M:%S")
             detail = printable(letter.detail[:120])
             shown = f"{letter.workspace or NO_WORKSPACE}\t{printable(branch)}"
-            print(f"{letter.seq}\t{stamp}\t{shown}\t{letter.reason}\t{detail}")
+            print(f"{letter.seq}\t{stamp}\t{shown}\t{printable(letter.reason)}\t{detail}")
     if len(letters) > limit:
         errors.print(f"{len(letters) - limit} more (--limit)")
     if not as_json:
@@ -1549,7 +1549,8 @@ def _all_named_found(selection: Selection, letters: Sequence[DeadLetter], doing:
 def _list_letters(letters: Sequence[DeadLetter]) -> None:
     for letter in letters[:LETTERS_LISTED]:
         # A subject that names no workspace is the contract's _unknown, not Python's None (a verifier's).
-        print(f"{letter.seq}\t{letter.workspace or NO_WORKSPACE}\t{letter.reason}\t{printable(letter.detail[:120])}")
+        reason, detail = printable(letter.reason), printable(letter.detail[:120])
+        print(f"{letter.seq}\t{letter.workspace or NO_WORKSPACE}\t{reason}\t{detail}")
     if len(letters) > LETTERS_LISTED:
         print(f"... and {len(letters) - LETTERS_LISTED} more (ontofabric dlq list)")
     if not letters:

@@ -11,15 +11,13 @@ ACTED_ON = "\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
 newline (escape sequences clear the screen, set the window's title, write the clipboard) and the bidirectional
 overrides (which reorder the text shown)."""
 _ACTED_ON_IN_LINES = re.compile(f"[{ACTED_ON}]")
-_ACTED_ON_IN_A_LINE = re.compile(
-    f"[{ACTED_ON}\t\n\u2028\u2029\u200b\u200e\u200f\u2060-\u2064\ufeff\U000e0000-\U000e007f]"
-)
+_ACTED_ON_IN_A_LINE = re.compile(f"[{ACTED_ON}\t\n\u2028\u2029\u200b\u200e\u200f\u2060-\u2064\ufeff]")
 """On one line, also what breaks it (the line and paragraph separators; a tab, which a listing's columns are
 separated by: a review's dead letter's detail shifted them) and what shows nothing and belongs to no
-word (the zero-width space, direction marks, invisible operators, the byte-order mark, tags, which can carry text
-unseen): a Unicode tester's pasted zero-width space in a path, the reason it matched nothing, was no longer seen once
-the header showed letters as written. The joiners stay: Persian spelling and emoji sequences hold them (a
-review's)."""
+word (the zero-width space, direction marks, invisible operators, the byte-order mark): a Unicode tester's pasted
+zero-width space in a path, the reason it matched nothing, was no longer seen once the header showed letters as
+written. The joiners and tags stay: Persian spelling and emoji sequences hold them (a review's, and a second's:
+Scotland's flag is tags)."""
 
 
 def printable(text: str, lines: bool = False) -> str:

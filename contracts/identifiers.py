@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import unicodedata
 from collections.abc import Iterable
 
 OTHER_ID_START = "\u1885\u1886\u2118\u212e\u309b\u309c"
@@ -56,3 +57,19 @@ def hyphenated_name() -> re.Pattern[str]:
     word = name_character()
     part = rf"{NAME_START}{word}*(?:-{word}+)*"
     return re.compile(rf"{part}(?:\.{part})*")
+
+
+def as_python_reads(name: str) -> str:
+    """A name in the form Python reads identifiers in (NFKC), as a query's name is read: composed accents where a
+    file name (as macOS writes names) or the source had them decomposed, plain letters for ligatures. Each part
+    between dots and slashes on its own, kept as it is where its form would hold one (``a／b``, ``a．b``: a review's
+    made ``src/a．b.ts`` the module of ``src/a/b.ts``)."""
+    return name if name.isascii() else _NAME_PART.sub(_part_as_read, name)
+
+
+_NAME_PART = re.compile(r"[^./]+")
+
+
+def _part_as_read(part: re.Match[str]) -> str:
+    read = unicodedata.normalize("NFKC", part.group(0))
+    return part.group(0) if "." in read or "/" in read else read

@@ -14,7 +14,7 @@ from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
 from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
-from .identifiers import hyphenated_name
+from .identifiers import as_python_reads, hyphenated_name
 from .path_patterns import normal_pattern, pattern_problem
 
 MAX_TOP_K = 100
@@ -44,6 +44,8 @@ def _path_pattern(written: str) -> str:
 
 
 PathPattern = Annotated[str, AfterValidator(_path_pattern)]
+
+
 MAX_LINK_DEPTH = 1
 RELATIONS_READ = MAX_TOP_K
 """At most this many chunks a lookup of a name's definitions or relation reads (a common name may have hundreds):
@@ -299,8 +301,11 @@ class OntologyQuery(StrictRequest):
         "request may take as JSON. Left out, the answer lists the documents the filters (objectType, chunkLevel, "
         "provenance, symbolKind, paths, excludePaths) select, in a stable order (file, symbol, id).",
     )
-    object_type: ObjectType | None = Field(
-        default=None, description="Restrict results to this object type and the types that implement or derive from it."
+    object_type: Annotated[ObjectType, AfterValidator(as_python_reads)] | None = Field(
+        default=None,
+        description="Restrict results to this object type and the types that implement or derive from it; read as "
+        "object types are written, in Unicode's NFKC form (a decomposed accent composed: a retest's filter typed "
+        "so found nothing).",
     )
     top_k: int = Field(default=10, ge=1, le=MAX_TOP_K, description="Number of results, 1-100.")
     offset: int = Field(

@@ -440,3 +440,13 @@ def test_a_relation_names_any_identifier_python_reads() -> None:
     for name in ("a b", "1abc", "x.", "a/b"):
         with pytest.raises(ValidationError):
             RelatedTo(relation="subclasses", symbol=name)
+
+
+def test_an_object_type_asked_for_is_read_as_object_types_are_written() -> None:
+    """A retest's objectType filter typed with a decomposed accent found none of the type's results: object types are
+    written in NFKC, part by part."""
+    from ontofabric.contracts.query import OntologyQuery
+
+    asked = OntologyQuery.model_validate({"semanticQuery": "x", "objectType": "tsmod.mo\u0301dulo.Basis"})
+    assert asked.object_type == "tsmod.m\u00f3dulo.Basis"
+    assert OntologyQuery.model_validate({"semanticQuery": "x", "objectType": "a.b"}).object_type == "a.b"

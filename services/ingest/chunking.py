@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ontofabric.contracts.documents import NOT_IN_NAMES
+from ontofabric.contracts.identifiers import as_python_reads
 from ontofabric.shared.embedder import embedding_text
 
 ChunkLevel = Literal["file", "type", "method", "doc"]
@@ -221,22 +222,6 @@ def module_name(path: str, package: str | None = None) -> str:
     if parts[-1] == "__init__" and len(parts) > 1:
         parts = parts[:-1]
     return as_python_reads(".".join(parts))
-
-
-def as_python_reads(name: str) -> str:
-    """A name in the form Python reads identifiers in (NFKC), as a query's name is read: composed accents where a
-    file name (as macOS writes names) or the source had them decomposed, plain letters for ligatures. Each part
-    between dots and slashes on its own, kept as it is where its form would hold one (``a／b``, ``a．b``: a review's
-    made ``src/a．b.ts`` the module of ``src/a/b.ts``)."""
-    return name if name.isascii() else _NAME_PART.sub(_part_as_read, name)
-
-
-_NAME_PART = re.compile(r"[^./]+")
-
-
-def _part_as_read(part: re.Match[str]) -> str:
-    read = unicodedata.normalize("NFKC", part.group(0))
-    return part.group(0) if "." in read or "/" in read else read
 
 
 def tree_package(root_name: str, paths: Iterable[str], named: str | None = None) -> str | None:

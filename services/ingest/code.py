@@ -24,13 +24,13 @@ import tree_sitter_javascript
 import tree_sitter_rust
 import tree_sitter_typescript
 
+from ontofabric.contracts.identifiers import as_python_reads
 from ontofabric.shared.logging import get_logger
 
 from .chunking import (
     Chunk,
     ChunkLevel,
     UniqueKeys,
-    as_python_reads,
     bounded_symbol,
     cut_chunk,
     file_lines,

@@ -52,8 +52,9 @@ from typing import NamedTuple
 import tree_sitter
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS
+from ontofabric.contracts.identifiers import as_python_reads
 
-from .chunking import ChunkLevel, as_python_reads, bounded_symbol, file_lines, object_type_name, suffix_of
+from .chunking import ChunkLevel, bounded_symbol, file_lines, object_type_name, suffix_of
 from .code import (
     LANGUAGES,
     Declared,

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from ontofabric.contracts import CALLS, IMPORTS, INHERITS, OntologyNode, link_key
+from ontofabric.contracts.identifiers import as_python_reads
 
-from .chunking import as_python_reads, assigned_names, at_level, is_overload, module_name, object_type_name
+from .chunking import assigned_names, at_level, is_overload, module_name, object_type_name
 
 MAX_REEXPORT_HOPS = 4
 

@@ -50,12 +50,25 @@ def identifier() -> re.Pattern[str]:
     return re.compile(rf"{part}(?:\.{part})*")
 
 
+CODE_NAME_START = rf"(?:{NAME_START}|\$)"
+"""An identifier's first character in code: a Python one's, or ``$``, which JavaScript's and Java's names hold (a
+retest's ``$query`` could not be asked)."""
+
+
+@functools.cache
+def code_name() -> re.Pattern[str]:
+    """A name of code, or names joined by dots: an :func:`identifier` that may also hold ``$`` (``$query``,
+    ``Outer$Inner``)."""
+    part = rf"{CODE_NAME_START}(?:{name_character()}|\$)*"
+    return re.compile(rf"{part}(?:\.{part})*")
+
+
 @functools.cache
 def hyphenated_name() -> re.Pattern[str]:
-    """A dotted name whose parts may join words by hyphens, as a file's module is named
+    """A dotted name of code whose parts may join words by hyphens, as a file's module is named
     (``client.auth-extensions``, ``lib.rfc-2616``)."""
     word = name_character()
-    part = rf"{NAME_START}{word}*(?:-{word}+)*"
+    part = rf"{CODE_NAME_START}(?:{word}|\$)*(?:-{word}+)*"
     return re.compile(rf"{part}(?:\.{part})*")
 
 

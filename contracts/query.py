@@ -243,7 +243,7 @@ def _query_or_filter_schema(schema: dict[str, Any]) -> None:
 
 Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "imports"]
 MAX_SYMBOL_CHARS = 300
-_IDENTIFIER = r"([A-Za-z_]|[^\x00-\x7F])([A-Za-z0-9_]|[^\x00-\x7F])*(-([A-Za-z0-9_]|[^\x00-\x7F])+)*"
+_IDENTIFIER = r"([A-Za-z_$]|[^\x00-\x7F])([A-Za-z0-9_$]|[^\x00-\x7F])*(-([A-Za-z0-9_]|[^\x00-\x7F])+)*"
 """An identifier, or words joined by hyphens as a file's module is named (``auth-extensions``)."""
 
 

@@ -435,7 +435,7 @@ def test_a_relation_names_any_identifier_python_reads() -> None:
     """A Unicode tester's ``subclasses नमस्ते`` was refused as no name: ``\\w`` leaves out combining marks."""
     from ontofabric.contracts.query import RelatedTo
 
-    for name in ("नमस्ते", "beyond.marks.สวัสดี", "كَتَبَ", "x‿y", "℘eier", "client.auth-extensions"):
+    for name in ("नमस्ते", "beyond.marks.สวัสดี", "كَتَبَ", "x‿y", "℘eier", "client.auth-extensions", "$query", "a.$b"):
         assert RelatedTo(relation="subclasses", symbol=name).symbol == name
     for name in ("a b", "1abc", "x.", "a/b"):
         with pytest.raises(ValidationError):

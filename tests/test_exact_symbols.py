@@ -192,6 +192,12 @@ def test_file_asked_reads_a_line_and_a_tracebacks_frame(text: str, asked: FileAs
         ("beyond.marks.नमस्ते", "beyond.marks.नमस्ते"),
         ("x‿y", "x‿y"),
         ("℘eier", "℘eier"),
+        # JavaScript's and Java's names may hold $ (a retest's $query could not be asked); a price is no name.
+        ("$query", "$query"),
+        ("jsd.dollar.$query", "jsd.dollar.$query"),
+        ("Outer$Inner", "Outer$Inner"),
+        ("$100", None),
+        ("$", None),
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:
@@ -258,6 +264,7 @@ def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str
         ("what implements the `parser` protocol", (SUBCLASS, "parser")),  # in backticks: code
         ("what subclasses नमस्ते", (SUBCLASS, "नमस्ते")),  # a name with combining marks (a Unicode tester's)
         ("what calls كَتَبَ", (CALLER, "كَتَبَ")),
+        ("what calls $query", (CALLER, "$query")),
         # Not a lookup: another question, words besides the name, no name.
         ("how does backoff work", None),
         ("what calls to_seconds and why", None),
@@ -1282,6 +1289,7 @@ async def test_a_name_in_any_script_is_found_ignoring_its_case_through_the_real_
         "__init__.py": "",
         "turk.py": "class İşlem:\n    pass\n\n\ndef пользователь():\n    return İşlem()\n",
         "greek.py": "class Λόγος:\n    pass\n\n\nclass Straße:\n    pass\n\n\ndef build():\n    return Straße()\n",
+        "dollar.js": "export function $query() { return 1; }\n",
     }
     await _projected(deployment, embedder, tmp_path / "intl", files, "intl")
     await start_query_worker(embedder, query_cache_entries=0)
@@ -1291,6 +1299,7 @@ async def test_a_name_in_any_script_is_found_ignoring_its_case_through_the_real_
         ("ПОЛЬЗОВАТЕЛЬ", "intl.turk.пользователь (method)"), ("intl.turk.İŞLEM", "intl.turk.İşlem (type)"),
         # Folded as the graph folds names (a retest's STRASSE was found by relation and not by name).
         ("ΛΌΓΟΣ", "intl.greek.Λόγος (type)"), ("STRASSE", "intl.greek.Straße (type)"),
+        ("$query", "dollar.$query (method)"),  # a JavaScript name holding $ (a retest's could not be asked)
     ):  # fmt: skip
         reply = await _ask(client, asked, workspace="intl")
         assert (_names(reply)[0], reply.meta.exact_symbol_matches) == (found, 1), asked

@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ontofabric.contracts import SearchResult
-from ontofabric.contracts.identifiers import NAME_START, hyphenated_name, identifier, name_character
+from ontofabric.contracts.identifiers import CODE_NAME_START, code_name, hyphenated_name, name_character
 from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
 from ontofabric.services.ingest.code import CODE_SUFFIXES, is_declaration_file, module_name
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE
@@ -127,10 +127,10 @@ def identifier_of(text: str, hyphens: bool = False) -> str | None:
     written, _ = _asked(text)
     # Rust's `crate::` is the crate's root, which a declaration's path from it is an alias of (ingest.code).
     name = _SEPARATOR.sub(".", written.strip().strip("`").strip().removesuffix("()").removeprefix("crate::"))
-    if len(name) > MAX_IDENTIFIER_CHARS:
+    if len(name) > MAX_IDENTIFIER_CHARS or not any(c.isalpha() or c == "_" for c in name):  # `$100` is a price
         return None
     hyphenated = hyphenated_name().fullmatch(name) is not None and (hyphens or "." in name)
-    return name if identifier().fullmatch(name) or hyphenated else None
+    return name if code_name().fullmatch(name) or hyphenated else None
 
 
 # A hyphenated name is read where the query asks a relation (an agent tester's ``what imports
@@ -181,7 +181,7 @@ def file_asked(text: str) -> FileAsked | None:
     path = _FROM_ROOT.sub("", path, count=1) if _FROM_ROOT.match(path) else path
     if len(path) > MAX_IDENTIFIER_CHARS or not shape.fullmatch(path):
         return None
-    return FileAsked(path, line, name if name is not None and identifier().fullmatch(name) else None)
+    return FileAsked(path, line, name if name is not None and code_name().fullmatch(name) else None)
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def code_shaped(name: str) -> bool:
     return any(c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
 
 
-_NAME = rf"`?(?P<name>{NAME_START}(?:{name_character()}|[.:#/-])*(?:\(\))?)`?"
+_NAME = rf"`?(?P<name>{CODE_NAME_START}(?:{name_character()}|[.:#/$-])*(?:\(\))?)`?"
 _KIND = (
     r"(?:(?:async|abstract|base|generic|static)\s+)?(?:function|method|class|constructor|module|package|interface"
     r"|protocol|enum|struct|trait|type|decorator|coroutine|exception|dataclass|mixin|generator|property"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Annotated, Literal
@@ -70,9 +71,12 @@ a line or paragraph separator, a zero-width one or one that turns the text's dir
 tester's ``class Животное`` and ``class Растение`` were both ``________``, one node)."""
 NAME_CHARACTER = NAME_START.replace("A-Za-z_", "A-Za-z0-9_.$-")
 """Any other character of an object type: ASCII letters, digits, ``_ . $ -``, or past ASCII as :data:`NAME_START`."""
+OBJECT_TYPE_PATTERN = re.compile(f"^{NAME_START}{NAME_CHARACTER}{{0,511}}$")
+"""What an object type is: letters, digits, ``_ . $ -`` and characters past ASCII as :data:`NAME_START` says, a
+letter or ``_`` first, 512 at most."""
 ObjectType = Annotated[
     str,
-    StringConstraints(pattern=f"^{NAME_START}{NAME_CHARACTER}{{0,511}}$"),
+    StringConstraints(pattern=OBJECT_TYPE_PATTERN.pattern),
     Field(description="Ontology object type, '{domain}.{typeName}' (a top-level type may have no domain)."),
 ]
 OBJECT_TYPE: TypeAdapter[str] = TypeAdapter(ObjectType)

@@ -50,16 +50,18 @@ def identifier() -> re.Pattern[str]:
     return re.compile(rf"{part}(?:\.{part})*")
 
 
-CODE_NAME_START = rf"(?:{NAME_START}|\$)"
-"""An identifier's first character in code: a Python one's, or ``$``, which JavaScript's and Java's names hold (a
-retest's ``$query`` could not be asked)."""
+CODE_DOLLAR = r"\$(?!\d)"
+"""A ``$`` in a name of code, which JavaScript's and Java's names hold (a retest's ``$query`` could not be asked):
+never before a digit, as in a price (``$5M``, ``US$5``: a review's were read as names)."""
+CODE_NAME_START = rf"(?:{NAME_START}|{CODE_DOLLAR})"
+"""An identifier's first character in code: a Python one's, or :data:`CODE_DOLLAR`."""
 
 
 @functools.cache
 def code_name() -> re.Pattern[str]:
     """A name of code, or names joined by dots: an :func:`identifier` that may also hold ``$`` (``$query``,
     ``Outer$Inner``)."""
-    part = rf"{CODE_NAME_START}(?:{name_character()}|\$)*"
+    part = rf"{CODE_NAME_START}(?:{name_character()}|{CODE_DOLLAR})*"
     return re.compile(rf"{part}(?:\.{part})*")
 
 
@@ -68,7 +70,7 @@ def hyphenated_name() -> re.Pattern[str]:
     """A dotted name of code whose parts may join words by hyphens, as a file's module is named
     (``client.auth-extensions``, ``lib.rfc-2616``)."""
     word = name_character()
-    part = rf"{CODE_NAME_START}(?:{word}|\$)*(?:-{word}+)*"
+    part = rf"{CODE_NAME_START}(?:{word}|{CODE_DOLLAR})*(?:-{word}+)*"
     return re.compile(rf"{part}(?:\.{part})*")
 
 

@@ -13,7 +13,17 @@ from pydantic.config import JsonDict
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
 from ._base import StrictRequest, WireModel
-from .documents import MAIN_BRANCH, STREAM_REFUSED, Branch, ChunkLevel, ObjectType, Provenance, SymbolKind, Workspace
+from .documents import (
+    MAIN_BRANCH,
+    OBJECT_TYPE_PATTERN,
+    STREAM_REFUSED,
+    Branch,
+    ChunkLevel,
+    ObjectType,
+    Provenance,
+    SymbolKind,
+    Workspace,
+)
 from .identifiers import as_python_reads, hyphenated_name
 from .path_patterns import normal_pattern, pattern_problem
 
@@ -44,6 +54,14 @@ def _path_pattern(written: str) -> str:
 
 
 PathPattern = Annotated[str, AfterValidator(_path_pattern)]
+
+
+def _as_object_types_are_written(asked: str) -> str:
+    """An object type asked for in the form object types are written in (:func:`as_python_reads`: a retest's filter
+    typed with a decomposed accent found nothing), where that form is one (a review's ``notes⑴`` became
+    ``notes(1)``, which the worker then refused): else as asked."""
+    read = as_python_reads(asked)
+    return read if read == asked or OBJECT_TYPE_PATTERN.fullmatch(read) else asked
 
 
 MAX_LINK_DEPTH = 1
@@ -243,7 +261,9 @@ def _query_or_filter_schema(schema: dict[str, Any]) -> None:
 
 Relation = Literal["callers", "callees", "subclasses", "bases", "importers", "imports"]
 MAX_SYMBOL_CHARS = 300
-_IDENTIFIER = r"([A-Za-z_$]|[^\x00-\x7F])([A-Za-z0-9_$]|[^\x00-\x7F])*(-([A-Za-z0-9_]|[^\x00-\x7F])+)*"
+_IDENTIFIER = (
+    r"([A-Za-z_]|\$(?![0-9])|[^\x00-\x7F])([A-Za-z0-9_]|\$(?![0-9])|[^\x00-\x7F])*(-([A-Za-z0-9_]|[^\x00-\x7F])+)*"
+)
 """An identifier, or words joined by hyphens as a file's module is named (``auth-extensions``)."""
 
 
@@ -301,7 +321,7 @@ class OntologyQuery(StrictRequest):
         "request may take as JSON. Left out, the answer lists the documents the filters (objectType, chunkLevel, "
         "provenance, symbolKind, paths, excludePaths) select, in a stable order (file, symbol, id).",
     )
-    object_type: Annotated[ObjectType, AfterValidator(as_python_reads)] | None = Field(
+    object_type: Annotated[ObjectType, AfterValidator(_as_object_types_are_written)] | None = Field(
         default=None,
         description="Restrict results to this object type and the types that implement or derive from it; read as "
         "object types are written, in Unicode's NFKC form (a decomposed accent composed: a retest's filter typed "

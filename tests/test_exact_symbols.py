@@ -198,6 +198,10 @@ def test_file_asked_reads_a_line_and_a_tracebacks_frame(text: str, asked: FileAs
         ("Outer$Inner", "Outer$Inner"),
         ("$100", None),
         ("$", None),
+        ("$5M", None),  # a $ before a digit is a price (a review's were names)
+        ("US$5", None),
+        ("data$", "data$"),  # an observable's name
+        ("℘", "℘"),  # a name without $ needs no letter (a review's)
     ],
 )
 def test_identifier_of_takes_a_whole_query_that_is_one_name(text: str, name: str | None) -> None:

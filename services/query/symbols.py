@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ontofabric.contracts import SearchResult
-from ontofabric.contracts.identifiers import CODE_NAME_START, code_name, hyphenated_name, name_character
+from ontofabric.contracts.identifiers import CODE_DOLLAR, CODE_NAME_START, code_name, hyphenated_name, name_character
 from ontofabric.services.ingest.chunking import DOCUMENT_FORMATS, assigned_by, at_level
 from ontofabric.services.ingest.code import CODE_SUFFIXES, is_declaration_file, module_name
 from ontofabric.shared.analysis import CHINESE_AND_JAPANESE
@@ -127,8 +127,8 @@ def identifier_of(text: str, hyphens: bool = False) -> str | None:
     written, _ = _asked(text)
     # Rust's `crate::` is the crate's root, which a declaration's path from it is an alias of (ingest.code).
     name = _SEPARATOR.sub(".", written.strip().strip("`").strip().removesuffix("()").removeprefix("crate::"))
-    if len(name) > MAX_IDENTIFIER_CHARS or not any(c.isalpha() or c == "_" for c in name):  # `$100` is a price
-        return None
+    if len(name) > MAX_IDENTIFIER_CHARS or ("$" in name and not any(c.isalpha() or c == "_" for c in name)):
+        return None  # `$`, `$$`: no name
     hyphenated = hyphenated_name().fullmatch(name) is not None and (hyphens or "." in name)
     return name if code_name().fullmatch(name) or hyphenated else None
 
@@ -289,7 +289,7 @@ def code_shaped(name: str) -> bool:
     return any(c.isdigit() for c in name) or any(c.isupper() for c in name[1:])
 
 
-_NAME = rf"`?(?P<name>{CODE_NAME_START}(?:{name_character()}|[.:#/$-])*(?:\(\))?)`?"
+_NAME = rf"`?(?P<name>{CODE_NAME_START}(?:{name_character()}|{CODE_DOLLAR}|[.:#/-])*(?:\(\))?)`?"
 _KIND = (
     r"(?:(?:async|abstract|base|generic|static)\s+)?(?:function|method|class|constructor|module|package|interface"
     r"|protocol|enum|struct|trait|type|decorator|coroutine|exception|dataclass|mixin|generator|property"

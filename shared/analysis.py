@@ -47,8 +47,8 @@ _CJK_RUN = re.compile(f"[{CHINESE_AND_JAPANESE}]{{2,}}")
 @functools.cache
 def _separating() -> re.Pattern[str]:
     """Punctuation and symbols past ASCII (``’ “ ” — « » „ । 。``, emoji, and the enclosing marks of ``1️⃣``): a
-    space between words. PostgreSQL's
-    parser in the C locale takes every character past ASCII for a letter, so a Unicode tester's ``scheduler’s``,
+    space between words. PostgreSQL's parser in the C locale takes every character past ASCII for a letter, so a
+    Unicode tester's ``scheduler’s``,
     ``“exponential”`` and ``rocketlaunch🚀`` were words of their own, and ``scheduler``, ``exponential`` and
     ``rocketlaunch`` found nothing. Read from the Unicode database this Python has, up to the emoji's plane (the
     planes past it hold ideographs, tags and private use), once per process."""

@@ -187,8 +187,10 @@ def go_standard_interfaces() -> dict[tuple[str, str], frozenset[GoMethod]]:
 
 
 def _held(asked: GoMethod, held: Mapping[tuple[str, str, int, int], list[GoMethod]]) -> bool:
-    """Whether a type whose methods are ``held`` (by :attr:`GoMethod.slot`) has one that ``asked`` fits."""
-    return any(had.fits(asked) for had in held.get(asked.slot, ()))
+    """Whether a type whose methods are ``held`` (by :attr:`GoMethod.slot`) has one that ``asked`` fits: the same
+    one first (most are), then one a type parameter's place lets fit."""
+    candidates = held.get(asked.slot, ())
+    return asked in candidates or any(had.fits(asked) for had in candidates)
 
 
 CallKey = tuple[str, str, int]
@@ -327,10 +329,10 @@ class _Tree:
     def __init__(self, paths: frozenset[str], go_modules: dict[str, str], rust_crates: dict[str, str]) -> None:
         self.paths = paths
         self.paths_read: dict[str, str] = {}
-        for path in sorted(paths):
-            self.paths_read.setdefault(as_python_reads(path), path)
         """Each file's path as names are read (:func:`as_python_reads`) -> the path: an import spelling a file's
         decomposed name composed (a Unicode tester's) names that file."""
+        for path in sorted(paths):
+            self.paths_read.setdefault(as_python_reads(path), path)
         self.files: dict[str, _File] = {}
         self.go_modules = go_modules
         self.rust_crates = rust_crates
@@ -363,7 +365,7 @@ class _Tree:
         """Go: a struct's key -> its fields' names (an embedded one's by its type's name) -> its file and the
         field's type as written (:func:`_go_written`), where that is one named type."""
         self.go_signatures: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
-        """Go: a method's qualified name -> how many parameters and results it declares."""
+        """Go: a method's qualified name -> its parameters' and results' types (:func:`_go_signature`)."""
         self.implemented: dict[str, list[str]] = {}
         """Go: a type's key -> the keys of the interfaces of the tree it satisfies (:meth:`_go_implementations`)."""
         self.go_results: dict[str, tuple[_File, str | None, str]] = {}
@@ -438,8 +440,9 @@ class _Tree:
         (its own or an embedded type's): the same name, parameters and results of the same types (a type named
         ``pkg.Key`` and ``Key`` alike, one a type parameter's any), and an unexported one declared in the
         interface's package (only there can a type have it). Go says it nowhere: an agent tester's
-        "what implements Store" found none of its two stores. An interface embedding one the tree does not declare
-        (``io.Closer``, a union of types) has methods unknown here, and is left out."""
+        "what implements Store" found none of its two stores. An interface embedding one the tree does not declare,
+        nor :data:`_GO_STANDARD_INTERFACES` (a union of types, another library's), has methods unknown here, and is
+        left out."""
         known: dict[str, tuple[frozenset[GoMethod], bool]] = {}
         for key in self.go_types:
             self._go_method_set(key, known)
@@ -456,7 +459,7 @@ class _Tree:
             rarest = min(wanted, key=lambda method: len(having.get(method.slot, ())))
             for key in sorted(having.get(rarest.slot, ())):
                 held = slots[key]
-                if all(asked in held.get(asked.slot, ()) or _held(asked, held) for asked in wanted):
+                if all(_held(asked, held) for asked in wanted):
                     self.implemented.setdefault(key, []).append(interface)
 
     def _go_method_set(self, start: str, known: dict[str, tuple[frozenset[GoMethod], bool]]) -> None:

@@ -1013,9 +1013,8 @@ class PostgresDocuments:
                     named_symbols AS (
                         SELECT symbol_fqn, calls FROM matched
                         WHERE CASE
-                            WHEN NOT {_DOTTED_SQL} THEN as_written OR NOT EXISTS (SELECT FROM matched WHERE as_written)
-                            WHEN EXISTS (SELECT FROM matched WHERE whole) THEN whole
-                            WHEN NOT EXISTS (SELECT FROM matched WHERE as_written)
+                            WHEN {_DOTTED_SQL} AND EXISTS (SELECT FROM matched WHERE whole) THEN whole
+                            WHEN {_DOTTED_SQL} AND NOT EXISTS (SELECT FROM matched WHERE as_written)
                                  AND EXISTS (SELECT FROM matched WHERE whole_folded) THEN whole_folded
                             ELSE as_written OR NOT EXISTS (SELECT FROM matched WHERE as_written) END){more_ctes}
                     SELECT id, symbol_fqn, chunk_level,

@@ -14,7 +14,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar, get_args
@@ -116,8 +116,14 @@ error ratio reads the queries whose answers it counts (an auditor's two ``not_fo
 as 67 % of requests failing)."""
 
 
-def _handling(names: Names, subject: str) -> None:
-    REQUEST_KIND.set(names.operation_of(subject) or "unknown")
+def request_kind(names: Names, subject: str) -> str:
+    """The operation a request subject names, as :data:`REQUEST_KIND` holds it."""
+    return names.operation_of(subject) or "unknown"
+
+
+def _handling(names: Names, subject: str) -> Token[str]:
+    """The request on ``subject`` is being answered: its error replies are counted under its kind."""
+    return REQUEST_KIND.set(request_kind(names, subject))
 
 
 def error_reply(
@@ -332,8 +338,8 @@ class TurnedAway:
     """By subject, since the last line."""
     due: asyncio.TimerHandle | None = None
     """The next line, while requests are turned away."""
-    kind_of: Callable[[str], str | None] = lambda _subject: None
-    """A subject's operation, which a refusal is counted under (:data:`REQUEST_KIND`)."""
+    kind_of: Callable[[str], str] = lambda _subject: "unknown"
+    """A subject's operation, which a refusal is counted under (:func:`request_kind`)."""
 
     def note(self, subject: str) -> None:
         self.counts[subject] += 1
@@ -352,7 +358,7 @@ class TurnedAway:
         if self.refused is not None:
             by_kind = Counter[str]()
             for subject, count in self.counts.items():
-                by_kind[self.kind_of(subject) or "unknown"] += count
+                by_kind[self.kind_of(subject)] += count
             for kind, count in by_kind.items():
                 instruments().query_errors.add(count, {"code": self.refused, "request": kind})
         log.warning(self.event, requests=total, subjects=len(self.counts), most_on=busiest, most=most)
@@ -495,7 +501,7 @@ class QueryService:
         self._request_subscriptions: list[Subscription] = []
         """The request subscriptions, kept until they are drained (``_refuse_unread``)."""
         self._without_reply = TurnedAway("query_without_reply_subject_dropped")
-        kind_of = self.names.operation_of
+        kind_of = partial(request_kind, self.names)
         self._refused_unread = TurnedAway("query_requests_refused_unread", refused="overloaded", kind_of=kind_of)
         self._refused_arriving = TurnedAway("query_requests_refused_arriving", refused="overloaded", kind_of=kind_of)
         # Every `overloaded` refusal of an admitted or arriving request but those above: counted in the metrics as
@@ -769,7 +775,7 @@ class QueryService:
             self._refused_busy.note(displaced.msg.subject)
             # Counted as the displaced request's kind, not the newcomer's (a review's: a document read displacing a
             # query hid the query's refusal from the paging ratio).
-            kind = REQUEST_KIND.set(self.names.operation_of(displaced.msg.subject) or "unknown")
+            kind = _handling(self.names, displaced.msg.subject)
             try:
                 await self._reply_once(
                     displaced, partial(error_reply, "overloaded", busy, retryable=True, retry_after_s=paced)

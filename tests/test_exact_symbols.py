@@ -584,6 +584,15 @@ async def _projected(
     await deployment.wait_projected(report.last_sequence)
 
 
+async def _served(
+    deployment: Deployment, embedder: Embedder, start: Start, tree: Path, files: dict[str, str], package: str
+) -> QueryClient:
+    """``files`` projected as :func:`_projected` does, a query worker started over them, and a client of it."""
+    await _projected(deployment, embedder, tree, files, package)
+    await start(embedder, query_cache_entries=0)
+    return QueryClient(deployment.nc, deployment.names)
+
+
 async def _ask(client: QueryClient, text: str, workspace: str = "shapes", **params: object) -> QueryResponse:
     reply = await client.query(workspace, {"semanticQuery": text, "topK": 5, **params})
     assert isinstance(reply, QueryResponse), reply
@@ -604,9 +613,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
 ) -> None:
     # A package checked out under another directory name, ingested as the package it is: its modules are shapes.*
-    await _projected(deployment, embedder, tmp_path / "shapes-worktree", SHAPES, "shapes")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "shapes-worktree", SHAPES, "shapes")
 
     circle = await _ask(client, "Circle")
     assert _names(circle)[0] == "shapes.circle.Circle (type)"
@@ -862,9 +869,7 @@ async def test_a_files_path_finds_that_file_first_through_the_real_path(
         "class B:\n    def __init__(self):\n        self.b = 2\n\n\n"
         "class C:\n    def __init__(self):\n        self.c = 3\n",
     }
-    await _projected(deployment, embedder, tmp_path / "shapes", files, "shapes")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "shapes", files, "shapes")
 
     def found(reply: QueryResponse) -> list[str]:
         return [str(r.metadata.get("symbolFqn")) for r in reply.results if FILE in {f.retriever for f in r.found_by}]
@@ -930,9 +935,7 @@ async def test_a_member_a_class_inherits_is_found_through_its_base(
 ) -> None:
     """An outside tester's: "callers of Retrying.copy", the tool description's own example, was told no symbol of
     that name is indexed, as tenacity's Retrying inherits copy from BaseRetrying."""
-    await _projected(deployment, embedder, tmp_path / "retrying", RETRYING, "retrying")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "retrying", RETRYING, "retrying")
 
     async def ask(text: str, **params: object) -> QueryResponse:
         return await _ask(client, text, "retrying", **params)
@@ -995,9 +998,7 @@ async def test_a_pasted_message_finds_the_code_writing_it_through_the_real_path(
     deployment: Deployment, projector: ProjectorService, embedder: Embedder, start_query_worker: Start, tmp_path: Path
 ) -> None:
     """An agent pastes what the program printed; the code holds it as a template whose fields the run filled."""
-    await _projected(deployment, embedder, tmp_path / "errors", ERRORS, "errors")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "errors", ERRORS, "errors")
 
     async def ask(text: str, **params: object) -> QueryResponse:
         return await _ask(client, text, "errors", **params)
@@ -1081,9 +1082,7 @@ async def test_a_relation_shows_as_many_as_the_largest_top_k_asks(
     files |= {
         f"user{i:02}.py": f"from .target import target\n\n\ndef use{i:02}():\n    return target()\n" for i in range(70)
     }
-    await _projected(deployment, embedder, tmp_path / "many", files, "many")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "many", files, "many")
     asked = await _ask(client, "what calls target", workspace="many", topK=100, maxTokens=100_000)
     callers = {r.metadata["symbolFqn"] for r in asked.results if CALLER in {f.retriever for f in r.found_by}}
     assert asked.meta.relation_found == 70
@@ -1103,9 +1102,7 @@ async def test_a_relation_reads_past_the_nearest_types_that_have_no_chunk_within
         "deep/__init__.py": "",
         "deep/far.py": "from ..near import Near000\n\n\nclass Far(Near000):\n    pass\n",
     }
-    await _projected(deployment, embedder, tmp_path / "chain", files, "chain")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "chain", files, "chain")
     asked = await _ask(
         client, "x", workspace="chain", relatedTo={"relation": "subclasses", "symbol": "Base"}, paths=["deep/*"]
     )
@@ -1188,9 +1185,7 @@ async def test_code_other_than_python_is_found_by_its_names_and_paths_through_th
         "limits/src/bucket/mod.rs": "use crate::clock::Clock;\n\npub struct Bucket;\n",
         "limits/src/clock.rs": "pub trait Clock {}\n\npub struct System;\n\nimpl Clock for System {}\n",
     }
-    await _projected(deployment, embedder, tmp_path / "mono", files, "mono")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "mono", files, "mono")
     found = await _ask(client, "useCurrentUser", "mono")
     assert _names(found)[0] == "web.src.hooks.useCurrentUser.useCurrentUser (method)"
     assert (found.results[0].metadata["startLine"], found.results[0].metadata["endLine"]) == (2, 5)
@@ -1266,9 +1261,7 @@ async def test_a_published_javascript_package_answers_its_relations_by_its_code_
         "pkg/example.d.ts": "export {};\n",
         "pkg/example.js": "import { Client } from './client.js';\nnew Client().go();\n",
     }
-    await _projected(deployment, embedder, tmp_path / "npm", files, "npm")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "npm", files, "npm")
     subclasses = await _ask(client, "what subclasses Transport", "npm")
     assert _found_by(subclasses, SUBCLASS, "filePath") == ["pkg/client.js"]
     for asked in (
@@ -1295,9 +1288,7 @@ async def test_a_name_in_any_script_is_found_ignoring_its_case_through_the_real_
         "greek.py": "class Λόγος:\n    pass\n\n\nclass Straße:\n    pass\n\n\ndef build():\n    return Straße()\n",
         "dollar.js": "export function $query() { return 1; }\n",
     }
-    await _projected(deployment, embedder, tmp_path / "intl", files, "intl")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "intl", files, "intl")
     for asked, found in (
         ("İŞLEM", "intl.turk.İşlem (type)"), ("işlem", "intl.turk.İşlem (type)"),
         ("ПОЛЬЗОВАТЕЛЬ", "intl.turk.пользователь (method)"), ("intl.turk.İŞLEM", "intl.turk.İşlem (type)"),
@@ -1326,9 +1317,7 @@ async def test_callers_of_a_whole_dotted_name_are_its_own_alone_through_the_real
         "a.py": "from ._internal.types import pack as inner\n\n\ndef use_internal():\n    return inner()\n",
         "b.py": "from .types import pack\n\n\ndef use_public():\n    return pack()\n",
     }
-    await _projected(deployment, embedder, tmp_path / "fsx", files, "fsx")
-    await start_query_worker(embedder, query_cache_entries=0)
-    client = QueryClient(deployment.nc, deployment.names)
+    client = await _served(deployment, embedder, start_query_worker, tmp_path / "fsx", files, "fsx")
     for asked in ("fsx.types.pack", "fsx.TYPES.pack"):  # as written, and ignoring case alone
         reply = await _ask(client, "x", workspace="fsx", relatedTo={"relation": "callers", "symbol": asked})
         assert _found_by(reply, "caller") == ["fsx.b.use_public"], asked

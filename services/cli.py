@@ -1375,7 +1375,7 @@ def dlq_list(
             print(json.dumps({**letter.summary(), "branch": branch}))
         else:
             stamp = letter.stored_at.strftime("%Y-%m-%d %H:%M:%S")
-            detail = printable(letter.detail[:120])
+            detail = _letter_detail(letter)
             shown = f"{letter.workspace or NO_WORKSPACE}\t{printable(branch)}"
             print(f"{letter.seq}\t{stamp}\t{shown}\t{printable(letter.reason)}\t{detail}")
     if len(letters) > limit:
@@ -1546,10 +1546,22 @@ def _all_named_found(selection: Selection, letters: Sequence[DeadLetter], doing:
         )
 
 
+LETTER_DETAIL_SHOWN = 120
+"""Characters of a dead letter's detail a listing shows; `dlq show SEQ` shows it whole."""
+
+
+def _letter_detail(letter: DeadLetter) -> str:
+    """A letter's detail on one line, an ellipsis where it was cut (a producer tester read a cut detail as whole)."""
+    detail = letter.detail
+    if len(detail) > LETTER_DETAIL_SHOWN:
+        detail = detail[: LETTER_DETAIL_SHOWN - 1] + "…"
+    return printable(detail)
+
+
 def _list_letters(letters: Sequence[DeadLetter]) -> None:
     for letter in letters[:LETTERS_LISTED]:
         # A subject that names no workspace is the contract's _unknown, not Python's None (a verifier's).
-        reason, detail = printable(letter.reason), printable(letter.detail[:120])
+        reason, detail = printable(letter.reason), _letter_detail(letter)
         print(f"{letter.seq}\t{letter.workspace or NO_WORKSPACE}\t{reason}\t{detail}")
     if len(letters) > LETTERS_LISTED:
         print(f"... and {len(letters) - LETTERS_LISTED} more (ontofabric dlq list)")

@@ -291,6 +291,10 @@ async def test_the_dlq_commands(deployment: Deployment) -> None:
     assert "tag '\\x1b[41mEVIL\\x1b[0m'\\tx" in listed.stdout  # a tab shifts no column (a review's)
     assert "\\x1b[2J\\x1b]0;pwned\\x07 not json \\u202e\\x9b" in shown
     assert '"\\u009b2J\\u202e"' in shown  # JSON: escaped as JSON escapes
+    # A detail past what a listing shows is said to be cut (a producer tester read a cut one as whole).
+    long_detail = {"Ontofabric-Reason": "invalid_schema", "Ontofabric-Detail": "d" * 119 + "tail"}
+    await deployment.js.publish(deployment.names.dlq_subject("acme"), b"{}", headers=long_detail)
+    assert dlq("list", "--workspace", "acme").stdout.splitlines()[-1].endswith("\t" + "d" * 119 + "…")
 
 
 async def test_compaction_after_the_dead_letters_are_purged_leaves_their_deltas_out(deployment: Deployment) -> None:

@@ -436,6 +436,12 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
     assert [hit.id for hit in asked][:2] == ["function", "method"]
     asked = definitions_first("area", definitions, candidates, 10, kind="module", kinds=kinds)
     assert [hit.id for hit in asked][:2] == ["method", "function"]  # none of it: as before
+    # What its package publishes before what it does not (an agent tester's `sleep`: a backend's method ahead of
+    # anyio.sleep), after the kind asked.
+    public = definitions_first("area", definitions, candidates, 10, published={"function"})
+    assert [hit.id for hit in public][:2] == ["function", "method"]
+    asked = definitions_first("area", definitions, candidates, 10, kind="method", kinds=kinds, published={"function"})
+    assert [hit.id for hit in asked][:2] == ["method", "function"]
 
 
 @pytest.mark.parametrize(
@@ -459,11 +465,30 @@ def test_kind_asked_is_the_kind_of_symbol_a_query_names(text: str, kind: str | N
 
 SHAPES = {
     "__init__.py": '"""Shapes and their areas."""\nfrom ._base import Outline\nfrom .circle import Circle\n'
+    "from .timing import pause\n"
     "Round = Circle\n"  # another name for it (attrs' `s = attrs`)
     "from .square import UNIT\n"  # a module's constant, published (pytest.skip for _pytest.outcomes.skip)
     "from ._base import WIDTH as stroke\n",  # under another name (pytest.mark for MARK_GEN)
     # Every public name of another module, taken by `*` (attrs.validators is `from attr.validators import *`).
     "everything.py": "from .square import *\n",
+    # A class of the same name in another private module, which the package does not publish (anyio's backends'
+    # Event beside anyio.Event).
+    "_drafts.py": """
+        class Outline:
+            pass
+        """,
+    # A function the package publishes, and a method of the same name that says it more often (anyio.sleep beside
+    # its backends' sleep).
+    "timing.py": """
+        def pause(seconds):
+            return seconds
+        """,
+    "backends.py": """
+        class Backend:
+            def pause(self, seconds):
+                \"\"\"Pause the backend: a pause of the backend until its pause ends.\"\"\"
+                return seconds
+        """,
     # A private class's member: no module publishes it.
     "pens.py": """
         class _Pen:
@@ -637,6 +662,9 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     assert (_names(published)[0], published.meta.exact_symbol_matches) == ("shapes._base.Outline (type)", 1)
     exported = await _ask(client, "shapes.Circle")
     assert (_names(exported)[0], exported.meta.exact_symbol_matches) == ("shapes.circle.Circle (type)", 1)
+    # A bare name: what the package publishes before a method of that name (an agent tester's `sleep`).
+    paused = await _ask(client, "pause")
+    assert _names(paused)[:2] == ["shapes.timing.pause (method)", "shapes.backends.Backend.pause (method)"]
     # And its relations by that name (a tester's callers of click.echo: "no symbol named ... is indexed").
     assert _names(await _ask(client, "what calls shapes.Circle"))[0] == "shapes.report.round_one (method)"
     assert _names(await _ask(client, "what subclasses shapes.Circle"))[0] == "shapes.report.Ring (type)"

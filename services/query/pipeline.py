@@ -1091,7 +1091,10 @@ class QueryPipeline:
         kind = kind_asked(run.text)
         kinds = {doc_id: str(documents[doc_id].metadata.get("symbolKind")) for doc_id in found} if kind else None
         files = {doc_id: str(documents[doc_id].metadata.get("filePath") or "") for doc_id in found}
-        return definitions_first(name, found, candidates, run.query.top_k, definitions.modules, kind, kinds, files)
+        published = {doc_id for doc_id in found if documents[doc_id].metadata.get("aliases")}
+        return definitions_first(
+            name, found, candidates, run.query.top_k, definitions.modules, kind, kinds, files, published
+        )
 
     def _calibrated_scores(
         self,

@@ -845,7 +845,10 @@ class PostgresDocuments:
             )
         if published:  # a name bound to a symbol (`s = attrs`) is answered by its definition, not by the binding
             assigning = [r for r in assigning if r["symbol_fqn"] != name]
-        found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}  # a symbol's own name wins
+        # A symbol's own name wins over a name it assigns, and the name its package publishes it under over both:
+        # an agent tester's anyio.Event (anyio._core._synchronization.Event) matched, by its own name without its
+        # private parts, only as well as the backends' classes anyio._backends._asyncio.Event and the like.
+        found = {r["id"]: r["symbol_fqn"] for r in [*assigning, *rows, *published]}
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
         # A Rust module's file is named by its path in the crate, a TypeScript or JavaScript index file by its

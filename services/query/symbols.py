@@ -526,6 +526,7 @@ def definitions_first(
     kind: str | None = None,
     kinds: Mapping[str, str] | None = None,
     files: Mapping[str, str] | None = None,
+    published: Collection[str] = frozenset(),
 ) -> list[Fused]:
     """The chunks whose qualified name matches ``name`` (``definitions``: id -> symbolFqn, as looked up), at most
     ``limit``, ahead of the other candidates, each scoring 1 and found by ``symbol`` besides what found it before.
@@ -534,8 +535,10 @@ def definitions_first(
     property first, the function second), then classes and functions before modules (``modules``: ids of whole
     files; a module would hold, and so hide, its function of the same name), then code before the declaration
     file of its module (``files``: id -> filePath; an agent tester's every lookup in a published package had the
-    `.d.ts` signature first, its code second), then the order the pipeline gave them, then the shorter name. The
-    other candidates keep their order and scores. Unchanged when nothing matches."""
+    `.d.ts` signature first, its code second), then what its package publishes (``published``: ids of chunks
+    re-exported under another name; an agent tester's ``sleep`` had a backend's method ahead of ``anyio.sleep``),
+    then the order the pipeline gave them, then the shorter name. The other candidates keep their order and
+    scores. Unchanged when nothing matches."""
     in_file = files or {}
     position = {hit.id: i for i, hit in enumerate(candidates)}
     of_kind = kinds or {}
@@ -545,6 +548,7 @@ def definitions_first(
             kind is not None and of_kind.get(doc_id) != kind,
             doc_id in modules,
             is_declaration_file(in_file.get(doc_id, "")),
+            doc_id not in published,
             position.get(doc_id, len(candidates)),
             len(fqn),
             fqn,

@@ -577,6 +577,34 @@ def test_python_calls_resolve_what_the_syntax_tells_and_leave_out_the_rest() -> 
     }
 
 
+def test_a_generic_class_made_through_its_parameters_is_called() -> None:
+    """An agent tester's anyio `_MemoryObjectItemReceiver[T_co]()` was no call of the class; a mapping's item called
+    is no call of the mapping, and a local of the class's name hides it."""
+    from ontofabric.services.ingest.graph import python_calls
+
+    sources = {
+        "pkg/box.py": "HANDLERS = {}\n\n\nclass Box:\n    def open(self):\n        return 1\n",
+        "pkg/use.py": textwrap.dedent(
+            """
+            from . import box
+            from .box import HANDLERS, Box
+
+            def make():
+                b = Box[int]()
+                return b.open(), box.Box[str]()
+
+            def handle(key):
+                return HANDLERS[key]()
+
+            def shadowed(Box):
+                return Box[int]()
+            """
+        ),
+    }
+    calls = _by_name(python_calls(sources))
+    assert calls == {("pkg/use.py", "pkg.use.make"): ("pkg.box.Box", "pkg.box.Box.open")}
+
+
 def test_a_call_of_a_name_a_module_of_the_tree_no_longer_binds_is_kept_under_that_modules_name() -> None:
     """What a branch deleted, renamed or moved, still called: "what calls it" reads these (note 90's). A name a
     module may bind in any way is not one it no longer binds (a review's)."""

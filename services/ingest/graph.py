@@ -828,6 +828,11 @@ def python_calls(
         return _method(classes, class_fqn, name, inherited_only)
 
     def callee(module: _Module, func: ast.expr, owner: str | None, typed: Mapping[str, str]) -> str | None:
+        if isinstance(func, ast.Subscript):
+            # `Box[int]()` makes a Box (an agent tester's anyio `_MemoryObjectItemReceiver[T_co]()` was no call of
+            # it); `handlers[key]()` calls what a mapping holds, no symbol's.
+            made = callee(module, func.value, owner, typed)
+            return made if made in classes else None
         if isinstance(func, ast.Attribute):
             value = func.value
             if isinstance(value, ast.Name) and value.id in ("self", "cls") and owner is not None:
@@ -862,7 +867,7 @@ def python_calls(
                 return None
             named = resolver.named_symbol(module, kind)
             return named if named in classes else None
-        written = _dotted(call.func)  # the callee as written; None for one computed (`super().x`, `f()()`)
+        written = _dotted(_unsubscripted(call.func))  # the callee as written; None for one computed (`f()()`)
         head = written.partition(".")[0] if written is not None else None
         if head is not None and head in local and head not in typed and head not in ("self", "cls"):
             return None
@@ -956,7 +961,8 @@ def python_calls(
                 outside = {id(n) for root in _run_outside(function) for n in ast.walk(root)} if function else set()
                 for call, self_class in _calls_in(node, owner):
                     inside = id(call) not in outside and id(call.func) not in outside
-                    if isinstance(call.func, ast.Name) and call.func.id in shadowed and inside:
+                    written = _unsubscripted(call.func)
+                    if isinstance(written, ast.Name) and written.id in shadowed and inside:
                         continue  # a parameter or local variable, not the module's name
                     typed: Mapping[str, str] = {}
                     if inside and function is not None and isinstance(call.func, ast.Attribute):
@@ -971,6 +977,11 @@ def python_calls(
                         found.add(target)
     _walked.cache_clear()  # nothing of the tree kept past it
     return {key: tuple(sorted(found)) for key, found in calls.items() if found}
+
+
+def _unsubscripted(func: ast.expr) -> ast.expr:
+    """What a call is made of as written: ``Box`` of ``Box[int]()`` (a generic class made), else ``func``."""
+    return func.value if isinstance(func, ast.Subscript) else func
 
 
 def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: set[str]) -> dict[str, ast.expr]:

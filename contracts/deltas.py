@@ -284,7 +284,8 @@ class DeltaEnvelope(WireModel):
     # time, and deltas a release stored before are judged again by a replay, a rebuild or a compaction, which would
     # refuse what the index holds (a contract tester found these applied; the schema states the strict form).
     occurred_at: datetime = Field(
-        description="When the change happened, as RFC 3339 with its offset (2026-12-07T08:00:00Z)."
+        description="When the change happened, as RFC 3339 with its offset (2026-12-07T08:00:00Z). Informational: "
+        "deltas apply in the order the stream stores them, whatever their occurredAt."
     )
     schema_version: int = Field(
         default=SCHEMA_VERSION,

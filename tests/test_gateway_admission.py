@@ -38,7 +38,11 @@ def test_the_intake_refuses_beyond_its_held_requests_a_callers_share_and_while_t
     intake = Intake(max_held=4, max_late_s=0.5)
     assert intake.refusal("alice", 0.1) is None
     intake.held_by["alice"] = 2
-    assert intake.refusal("alice", 0.1) == ("held", "the token of 'alice' holds 2 requests, its share of this gateway")
+    said = "the token of 'alice' holds 2 requests, its share of this gateway is 2"
+    assert intake.refusal("alice", 0.1) == ("held", said)
+    intake.held_by["alice"] = 3  # its initialize and lists, always taken, count too
+    assert intake.refusal("alice", 0.1) == ("held", said.replace("holds 2", "holds 3"))
+    intake.held_by["alice"] = 2
     assert intake.refusal("bob", 0.1) is None
     assert intake.refusal("", 0.1) is None  # without tokens, every caller is one
     intake.held_by[""] = 2  # callers without a token: 4 in all

@@ -510,8 +510,8 @@ class ExpandedContext(WireModel):
     linked_from_document_id: str
     representative_document_id: str | None = Field(
         description=(
-            "A type-level chunk of linkedType, else a file-level one (a module's), else a method-level one, else a "
-            "doc-level one; null when none is indexed."
+            "A type-level chunk of linkedType, else a file-level one (a module's), else a method-level one, else "
+            "any other (doc-level or of no level); null when none is indexed."
         )
     )
 

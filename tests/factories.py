@@ -34,7 +34,7 @@ def document(
     content: str,
     *,
     object_type: str = "demo.Thing",
-    chunk_level: str = "method",
+    chunk_level: str | None = "method",
     provenance: str = "ingested",
     embedding: list[float] | None = None,
     token_vectors: TokenVectors | None = None,

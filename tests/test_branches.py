@@ -122,6 +122,7 @@ async def test_expansion_attaches_one_representative_per_linked_type(
             _link("app.Checkout", "calls", "app.Ghost"),  # a linked type nothing is indexed for
             _link("app.Checkout", "imports", "app.util"),
             _link("app.Checkout", "documentedBy", "app.Guide"),
+            _link("app.Checkout", "documentedBy", "app.Notes"),
             upsert("acme", _doc(embedder, "checkout", "checkout pays for the cart", "app.Checkout")),
             upsert("acme", _doc(embedder, "cart", "cart holds items to pay for", "app.Cart")),
             upsert("acme", _doc(embedder, "prices-type", "class Prices: price list", "app.Prices", "type")),
@@ -130,6 +131,7 @@ async def test_expansion_attaches_one_representative_per_linked_type(
             upsert("acme", _doc(embedder, "util-a", "def a(): helper", "app.util", "method")),
             upsert("acme", _doc(embedder, "util-file", "helpers for the shop", "app.util", "file")),
             upsert("acme", _doc(embedder, "guide", "style rules for the wiki pages", "app.Guide", "doc")),
+            upsert("acme", document("notes", "release notes", object_type="app.Notes", chunk_level=None)),  # no level
         ],
     )
     plain = await _ask(worker, "pay for the cart", topK=2)
@@ -138,7 +140,7 @@ async def test_expansion_attaches_one_representative_per_linked_type(
     assert {r.id for r in reply.results} == {"checkout", "cart"}
     context = {c.linked_type: c for c in reply.meta.expanded_context}
     # Prices once, though linked twice
-    assert set(context) == {"app.Prices", "app.Audit", "app.Ghost", "app.util", "app.Guide"}
+    assert set(context) == {"app.Prices", "app.Audit", "app.Ghost", "app.util", "app.Guide", "app.Notes"}
     assert context["app.Prices"].representative_document_id == "prices-type"  # a type chunk before a method one
     assert context["app.Prices"].link_name == "calls"
     assert context["app.Audit"].direction == "incoming"
@@ -147,6 +149,7 @@ async def test_expansion_attaches_one_representative_per_linked_type(
     # A module by its file, as a relation lookup answers for it, not by whichever of its functions sorts first.
     assert context["app.util"].representative_document_id == "util-file"
     assert context["app.Guide"].representative_document_id == "guide"  # a producer's prose stands for its type
+    assert context["app.Notes"].representative_document_id == "notes"
     assert [r.id for r in reply.results] == [r.id for r in plain.results]  # context never re-ranks
     assert "expansion" in reply.meta.timings_ms
 

@@ -21,7 +21,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query import pipeline as pipeline_module
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.fusion import Fused, SourceHit
-from ontofabric.services.query.names import match_quality
+from ontofabric.services.query.names import match_quality, republished
 from ontofabric.services.query.symbols import (
     BASE,
     CALLEE,
@@ -382,6 +382,17 @@ def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> N
     assert match_quality("_pkg.mod.C", "mod.C") == 1
     assert match_quality("tenacity.retry.Retrying", "ry.Retrying") is None  # parts match whole, not by letters
     assert match_quality("tenacity.retry.Retrying", "tenacity") is None
+
+
+def test_republished_is_a_python_name_shorter_than_the_symbols_own_as_imported() -> None:
+    assert republished("anyio._core._eventloop.sleep", ["anyio.sleep"], "python")
+    assert not republished("anyio.abc._eventloop.AsyncBackend.sleep", [], "python")
+    # A src layout names every chunk by its import name too: that alone publishes nothing (a review's).
+    assert republished("src.shapes.timing.pause", ["shapes.timing.pause", "src.shapes.pause", "shapes.pause"], "python")
+    assert not republished("src.shapes.backends.Backend.pause", ["shapes.backends.Backend.pause"], "python")
+    # Other languages name every declaration by its package (a review's Go `package main`) or crate.
+    assert not republished("tools.gen.render", ["main.render"], "go")
+    assert not republished("", ["x"], "python")
 
 
 def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_theirs() -> None:

@@ -597,7 +597,7 @@ def test_a_generic_class_made_through_its_parameters_is_called() -> None:
                 return HANDLERS[key]()
 
             def shadowed(Box):
-                return Box[int]()
+                return Box[int](), Box[int][str]()
             """
         ),
     }

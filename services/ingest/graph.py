@@ -980,8 +980,11 @@ def python_calls(
 
 
 def _unsubscripted(func: ast.expr) -> ast.expr:
-    """What a call is made of as written: ``Box`` of ``Box[int]()`` (a generic class made), else ``func``."""
-    return func.value if isinstance(func, ast.Subscript) else func
+    """What a call is made of as written: ``Box`` of ``Box[int]()`` (a generic class made) and of ``Box[int][str]()``
+    (a review's), else ``func``."""
+    while isinstance(func, ast.Subscript):
+        func = func.value
+    return func
 
 
 def _annotated_parameters(function: ast.FunctionDef | ast.AsyncFunctionDef, otherwise: set[str]) -> dict[str, ast.expr]:

@@ -181,8 +181,8 @@ class Representatives:
 
 EXPANSION_LEVELS = ("type", "file", "method", "doc")
 """What represents a linked type in graph expansion: its class's chunk, else its module's file, else one of its
-functions (a type an ingester chunks no other way), else a document about it (a producer's prose: a knowledge-base
-tester's types of `doc` chunks alone were said to have none indexed)."""
+functions (a type an ingester chunks no other way), else a document about it (a producer's prose, of level `doc` or
+none: a knowledge-base tester's types of `doc` chunks alone were said to have none indexed)."""
 DEFINING_LEVELS = ("type", "file")
 """What stands for a type found by a relation (a subclass, an importer): the class's chunk, the module's file."""
 

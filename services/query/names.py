@@ -4,6 +4,7 @@ store's lookups, the ordering of definitions and the graph's."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from ontofabric.shared.analysis import folded
 
@@ -20,6 +21,19 @@ _PRIVATE_PART = re.compile(PRIVATE_PART)
 def last_part(name: str) -> str:
     """What the store looks a name up by: its last dotted part (``__call__`` of ``Retrying.__call__``)."""
     return name.rsplit(".", 1)[-1]
+
+
+def republished(symbol_fqn: str, aliases: Sequence[str], source_domain: str) -> bool:
+    """Whether a Python package re-exports the symbol under a shorter name than its own (``anyio.sleep`` for
+    ``anyio._core._eventloop.sleep``): an alias of fewer parts than its own name as imported, which is an alias too
+    in a src layout (``pkg.mod.f`` for ``src.pkg.mod.f``; a review's, where every chunk had an alias). Python's
+    aliases alone say so: other languages' name every declaration by its package or crate (a review's Go
+    ``package main`` function went first)."""
+    if source_domain != "python" or not symbol_fqn:
+        return False
+    imported = [alias for alias in aliases if symbol_fqn.endswith("." + alias)]
+    parts = min(name.count(".") for name in [symbol_fqn, *imported])
+    return any(alias.count(".") < parts for alias in aliases)
 
 
 def published_name(symbol_fqn: str) -> str:

@@ -61,6 +61,7 @@ from .fusion import Fused, fuse
 from .graph import GraphCache, OntologyGraph, expand
 from .hints import reads_as_relationship_question, shape_of
 from .messages import MessageAsked, message_asked, message_order, raises, written_by
+from .names import republished
 from .run import QueryRun, milliseconds_since
 from .stages import (
     CODE_LEVELS,
@@ -1091,7 +1092,15 @@ class QueryPipeline:
         kind = kind_asked(run.text)
         kinds = {doc_id: str(documents[doc_id].metadata.get("symbolKind")) for doc_id in found} if kind else None
         files = {doc_id: str(documents[doc_id].metadata.get("filePath") or "") for doc_id in found}
-        published = {doc_id for doc_id in found if documents[doc_id].metadata.get("aliases")}
+        published = {
+            doc_id
+            for doc_id in found
+            if republished(
+                str(documents[doc_id].metadata.get("symbolFqn") or ""),
+                documents[doc_id].metadata.get("aliases") or [],
+                documents[doc_id].source_domain,
+            )
+        }
         return definitions_first(
             name, found, candidates, run.query.top_k, definitions.modules, kind, kinds, files, published
         )

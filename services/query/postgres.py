@@ -79,6 +79,9 @@ MAX_CHAR = 0x10FFFF
 with ``p``."""
 PUBLISHED_SQL = f"regexp_replace(symbol_fqn, '{PRIVATE_PART}', '', 'g')"
 """The qualified name without its private parts (names.published_name)."""
+LEVEL_OR_DOC = "coalesce(chunk_level, 'doc')"
+"""A document's chunk level, where one of none (the contract's default) is a producer's document about its type as a
+doc-level one is: a review's prose sent without a level was said to have no representative indexed."""
 _DOTTED_SQL = "position('.' in btrim($2, '.')) > 0"
 """Whether the name in $2 is dotted (names.qualities_kept)."""
 NAMES_SQL = (
@@ -755,8 +758,8 @@ class PostgresDocuments:
             where, parameters = where_clause(scope, 3, snapshot.shadowed)
             sql = f"""
                 SELECT DISTINCT ON (object_type) object_type, id FROM documents
-                WHERE object_type = ANY($1::text[]) AND chunk_level = ANY($2::text[]) AND {where}
-                ORDER BY object_type, array_position($2::text[], chunk_level),
+                WHERE object_type = ANY($1::text[]) AND {LEVEL_OR_DOC} = ANY($2::text[]) AND {where}
+                ORDER BY object_type, array_position($2::text[], {LEVEL_OR_DOC}),
                     coalesce(file_path ~ '\\.d\\.[cm]?ts$', false), id"""
             rows = await snapshot.conn.fetch(sql, list(object_types), list(levels), *parameters)
         return Representatives({r["object_type"]: r["id"] for r in rows}, snapshot.version)
@@ -845,10 +848,12 @@ class PostgresDocuments:
             )
         if published:  # a name bound to a symbol (`s = attrs`) is answered by its definition, not by the binding
             assigning = [r for r in assigning if r["symbol_fqn"] != name]
-        # A symbol's own name wins over a name it assigns, and the name its package publishes it under over both:
-        # an agent tester's anyio.Event (anyio._core._synchronization.Event) matched, by its own name without its
-        # private parts, only as well as the backends' classes anyio._backends._asyncio.Event and the like.
-        found = {r["id"]: r["symbol_fqn"] for r in [*assigning, *rows, *published]}
+        # A symbol's own name wins over a name it assigns, and a class's or function's name its package publishes
+        # it under over both: an agent tester's anyio.Event (anyio._core._synchronization.Event) matched, by its
+        # own name without its private parts, only as well as the backends' anyio._backends._asyncio.Event. Not a
+        # module's: a Go package's file named by the package would go before a function of that name (a review's).
+        found = {r["id"]: r["symbol_fqn"] for r in [*published, *assigning, *rows]}
+        found |= {r["id"]: r["symbol_fqn"] for r in published if r["chunk_level"] != "file"}
         modules = frozenset(r["id"] for r in [*rows, *assigning, *published] if r["chunk_level"] == "file")
         own = next((r["own"] for r in published if r["chunk_level"] != "file"), None)
         # A Rust module's file is named by its path in the crate, a TypeScript or JavaScript index file by its

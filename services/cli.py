@@ -194,7 +194,8 @@ def _settings(service: str, data_dir: Path | None = None, quiet: bool = False, w
     if data_dir is not None:
         settings = settings.model_copy(update={"data_dir": data_dir})
     # Interactive commands keep the terminal for their output unless a log level was asked for.
-    level = settings.log_level if not quiet or "ONTOFABRIC_LOG_LEVEL" in os.environ else "WARNING"
+    # An empty one is unset, as for every setting (a configuration tester's `ONTOFABRIC_LOG_LEVEL=` logged INFO).
+    level = settings.log_level if not quiet or os.environ.get("ONTOFABRIC_LOG_LEVEL") else "WARNING"
     configure_logging(level, settings.log_format)
     for variable, resembles in unknown_variables(os.environ).items():
         log.warning("unknown_setting", variable=variable, did_you_mean=resembles)
@@ -2349,22 +2350,34 @@ def show_settings(
             print(f"| `ONTOFABRIC_{name.upper()}` | {default} | {field.description or ''} |")
         return
     settings = Settings()
+    rows = [(f"ONTOFABRIC_{name.upper()}", _shown_setting(getattr(settings, name)), field.description or "")
+            for name, field in Settings.model_fields.items()]  # fmt: skip
+    if not console.is_terminal:
+        # Piped, a line a setting, tab-separated: a table wrapped URLs and paths at 13 columns, which could be
+        # neither copied nor grepped (a configuration tester's).
+        for row in rows:
+            print("\t".join(" ".join(part.split()) for part in row))
+        _warn_unknown_variables()
+        return
     table = whole_table("variable", "value", "meaning")
     # Whole on one line, to be copied: piped at 80 columns, 80 of 103 names ended in an ellipsis (a tester's).
     table.columns[0].no_wrap = True
     table.columns[0].min_width = max(len(f"ONTOFABRIC_{name}") for name in Settings.model_fields)
-    for name, field in Settings.model_fields.items():
-        value = getattr(settings, name)
-        # SecretStr prints masked; a list as the variable would be written (JSON).
-        shown = (
-            redacted_url(value)
-            if isinstance(value, str)
-            else json.dumps(list(value))
-            if isinstance(value, tuple | list)
-            else str(value)
-        )
-        table.add_row(f"ONTOFABRIC_{name.upper()}", shown, field.description or "")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
+    _warn_unknown_variables()
+
+
+def _shown_setting(value: object) -> str:
+    """A setting's value fit to print: a URL without its secrets, SecretStr masked, a list as the variable would be
+    written (JSON)."""
+    if isinstance(value, str):
+        return redacted_url(value)
+    return json.dumps(list(value)) if isinstance(value, tuple | list) else str(value)
+
+
+def _warn_unknown_variables() -> None:
     for variable, resembles in unknown_variables(os.environ).items():
         guess = f" (did you mean {resembles}?)" if resembles else ""
         errors.print(f"[yellow]warning:[/yellow] {escape(variable)} is set but is no setting; ignored{guess}")

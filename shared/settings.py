@@ -48,6 +48,7 @@ class Settings(BaseSettings):
     nats_connect_timeout_s: float = Field(
         default=10.0,
         gt=0,
+        le=3600,
         description="How long a command (query, ingest, operators') waits for its first NATS connection before it "
         "fails; workers wait for the server as long as it takes; the MCP gateway waits at most 3 s of it per call.",
     )
@@ -270,6 +271,7 @@ class Settings(BaseSettings):
     projector_ack_wait_s: float = Field(
         default=6.0,
         gt=0,
+        le=3600,
         description="Unacked deltas are redelivered after this long (after a crash); while a batch is being "
         "handled the projector says so every third of it, so a slow batch is not redelivered.",
     )
@@ -294,14 +296,17 @@ class Settings(BaseSettings):
     )
     delta_max_age_days: float | None = Field(
         default=None,
-        gt=0,
-        description="The delta stream drops deltas older than this (unset: kept until `ontofabric compact` folds "
+        ge=1 / 24,
+        le=36_500,
+        description="The delta stream drops deltas older than this, at least an hour (unset: kept until `ontofabric "
+        "compact` folds "
         "them into snapshots). Run `compact` more often than this, or a rebuild has no complete history to "
         "replay; a projector further behind than this loses deltas.",
     )
     delta_stream_max_bytes: int | None = Field(
         default=None,
         ge=1024 * 1024,
+        le=2**63 - 1,
         description="The most the delta stream may hold, in bytes (unset or 0: as much as the disk takes). A full "
         "stream refuses new deltas (ingesters are told, nothing stored is dropped) until `ontofabric compact` "
         "makes room: a guard against one tenant filling the disk with deltas. Every projector sets it on the "
@@ -310,6 +315,7 @@ class Settings(BaseSettings):
     dead_letters_per_workspace: int = Field(
         default=100_000,
         ge=0,
+        le=2**63 - 1,
         description="Dead letters the DLQ stream keeps per workspace; past it a workspace's oldest go (0: no "
         "limit). A tenant publishing junk fills only its own share: a count, each up to about 1 MiB. Every "
         "projector sets it on the stream at start: give them all the same.",
@@ -420,13 +426,13 @@ class Settings(BaseSettings):
         "0 counts it once.",
     )  # fmt: skip
     bm25_full_read_postings: int = Field(
-        default=50_000, ge=0,
+        default=50_000, ge=0, le=10**9,
         description="Postings a keyword query reads in full, its rarest terms first (the rarest always); its "
         "commoner terms are then looked up only for the leading documents (docs/benchmarks.md, \"Bounded BM25\"). "
         "Queries within it get exact BM25.",
     )  # fmt: skip
     bm25_completion_depth: int = Field(
-        default=3000, ge=1,
+        default=3000, ge=1, le=10**6,
         description="Leading documents, by the terms read in full, whose commoner terms' postings are looked up "
         "(at least the candidates asked for).",
     )  # fmt: skip
@@ -684,8 +690,8 @@ class Settings(BaseSettings):
             host = parts.hostname or ""
             named = bool(re.fullmatch(r"[^\s*?/@]+", host)) and bool(re.fullmatch(r"[a-z][a-z0-9+.-]*", parts.scheme))
             if not (named and port_ok and plain):
-                raise ValueError(
-                    f"{origin!r} is no origin: write scheme and host as a browser states them, as "
+                raise ValueError(  # redacted: a user and password in it were printed (a configuration tester's)
+                    f"{redacted_url(origin)!r} is no origin: write scheme and host as a browser states them, as "
                     "https://ide.example.com (no pattern, no path)"
                 )
         return value
@@ -731,6 +737,10 @@ class Settings(BaseSettings):
                 self.embedder == "openai" and self.next_embedding_model is not None
             ),
             "reranker=local needs reranker_model_path": self.reranker == "local" and self.reranker_model_path is None,
+            # A configuration tester's: a path that is not there ended the worker in a traceback from transformers.
+            f"reranker_model_path {self.reranker_model_path}: no such file or directory": (
+                self.reranker_model_path is not None and not self.reranker_model_path.exists()
+            ),
             "nats_tls_cert needs nats_tls_ca: a server unverified is no TLS": (
                 self.nats_tls_cert is not None and self.nats_tls_ca is None
             ),
@@ -756,6 +766,20 @@ class Settings(BaseSettings):
         for name, path in {"nats_tls_cert": self.nats_tls_cert, "nats_tls_key": self.nats_tls_key}.items():
             if path is not None and not path.is_file():
                 raise ValueError(f"{name} {path}: no such file")
+        if self.nats_tls_key is not None and self.nats_tls_cert is None:
+            raise ValueError("nats_tls_key needs nats_tls_cert: a key alone proves nothing")
+        if self.nats_tls_cert is not None:
+            # A certificate that is no PEM ended the first connection in a traceback (a configuration tester's);
+            # an encrypted key is refused too, not asked for at a terminal.
+            try:
+                ssl.create_default_context().load_cert_chain(
+                    str(self.nats_tls_cert), str(self.nats_tls_key) if self.nats_tls_key else None, password=b""
+                )
+            except (OSError, ssl.SSLError) as error:
+                reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+                raise ValueError(
+                    f"nats_tls_cert {self.nats_tls_cert}: no certificate and unencrypted key (PEM) read ({reason})"
+                ) from None
         return self
 
     @model_validator(mode="after")
@@ -777,6 +801,13 @@ class Settings(BaseSettings):
                 scheme = urlsplit((url or "").strip()).scheme
                 if url and name != "nats_url" and scheme not in ("postgresql", "postgres"):
                     raise ValueError(f"{name}: not a PostgreSQL URL (postgresql://user@host:5432/database)")
+                if name == "nats_url" and self.nats_url is not None and not _nats_url((url or "").strip()):
+                    # A configuration tester's `nats://` ended a command in nats-py's traceback, and the gateway
+                    # answered every call "unavailable (retryable)".
+                    raise ValueError(
+                        "nats_url: not a NATS URL (nats://host:4222, tls://, ws:// or wss://; several separated by "
+                        "commas)"
+                    )
                 try:
                     # A PostgreSQL URL may list several hosts (h1:5432,h2:5433): each port is checked.
                     hosts = urlsplit((url or "").strip()).netloc.rpartition("@")[2].split(",")
@@ -789,6 +820,20 @@ class Settings(BaseSettings):
                         f"{name}: {said} (the URL is not shown: it may hold a password, in which /, ?, #, @ and , "
                         "are written %2F, %3F, %23, %40 and %2C)"
                     ) from None
+        return self
+
+    @model_validator(mode="after")
+    def _endpoints_are_http_urls(self) -> Self:
+        """An endpoint that is no URL (`abc`) was taken, and every query then ran degraded (a configuration
+        tester's)."""
+        endpoints = {
+            "embedding_api_url": self.embedding_api_url,
+            "reranker_url": self.reranker_url,
+            "azure_search_endpoint": self.azure_search_endpoint,
+        }
+        for name, url in endpoints.items():
+            if url and not (urlsplit(url.strip()).scheme in ("http", "https") and urlsplit(url.strip()).hostname):
+                raise ValueError(f"{name}: not an http:// or https:// URL with a host")
         return self
 
     @model_validator(mode="after")
@@ -913,8 +958,11 @@ def unknown_variables(environ: Mapping[str, str]) -> dict[str, str | None]:
 
 
 _SECRET_PARAMETER = re.compile(
-    r"(?i)((?:^|[&?\s])(?:password|sslpassword|token|user_password|nkey|seed|secret)\s*=\s*)('[^']*'|[^&\s]*)"
+    r"(?i)((?:^|[&?;\s])(?:[\w.-]*(?:password|token|secret|key|nkey|seed|sig|signature|credentials?|auth)|code)"
+    r"\s*=\s*)('[^']*'|[^&;\s]*)"
 )
+"""A URL's parameter or a libpq setting whose value is a secret: a password, a token (`access_token`), a key
+(`api_key`, `subscription-key`), a signature (`sig`), a code (a configuration tester's `api_key=` was printed)."""
 _NEXT_URL = re.compile(r",(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
@@ -935,6 +983,15 @@ def _redacted_one(url: str) -> str:
         rest = f"{user}:***@{host}" if colon else (f"{user}@{host}" if keep_user else f"***@{host}")
     text = f"{scheme}{sep}{rest}" if sep else url
     return _SECRET_PARAMETER.sub(r"\1***", text)
+
+
+def _nats_url(url: str) -> bool:
+    """Whether ``url`` is one nats-py connects to: a host, with a scheme of NATS's or none (``host:4222``)."""
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    try:
+        return parts.scheme in ("nats", "tls", "ws", "wss") and bool(parts.hostname)
+    except ValueError:
+        return False
 
 
 def _url_list(value: str | None) -> tuple[str, ...]:

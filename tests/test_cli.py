@@ -555,6 +555,15 @@ def test_settings_piped_at_80_columns_name_every_variable_whole() -> None:
     named = set(re.findall(r"\bONTOFABRIC_[A-Z0-9_]+\b", shown.stdout))
     assert named >= {f"ONTOFABRIC_{name.upper()}" for name in Settings.model_fields}
     assert "…" not in shown.stdout
+    # A line a setting, its value whole (a configuration tester's URLs were wrapped at 13 columns).
+    far = "postgresql://u@" + "a-long-host-name." * 5 + "example:5432/db"
+    piped = subprocess.run(
+        [ONTOFABRIC, "settings"], capture_output=True, text=True, env=_env(ONTOFABRIC_DATABASE_URL=far), check=True,
+        timeout=60,
+    )  # fmt: skip
+    (line,) = [line for line in piped.stdout.splitlines() if line.startswith("ONTOFABRIC_DATABASE_URL\t")]
+    assert line.split("\t")[1] == far
+    assert len(piped.stdout.splitlines()) == len(Settings.model_fields)
 
 
 def test_a_message_piped_is_one_line_however_long(tmp_path: Path) -> None:
@@ -786,6 +795,17 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         # Operator testers': a value named as a setting ('second-ONTOFABRIC_EMBEDDER'), an origin without its scheme.
         ("ONTOFABRIC_RERANKER", "foo", "'onnx', 'second-embedder' or 'cohere'"),
         ("ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS", "ide.example.com", "ORIGINS: 'ide.example.com' is no origin"),
+        # A configuration tester's: taken, then a traceback at the first connection or every query degraded.
+        ("ONTOFABRIC_GATEWAY_ALLOWED_ORIGINS", "https://u:secret@ide.example.com", "'https://u:***@ide.example.com'"),
+        ("ONTOFABRIC_NATS_URL", "nats://", "ONTOFABRIC_NATS_URL: not a NATS URL"),
+        ("ONTOFABRIC_NATS_URL", "http://h:4222", "ONTOFABRIC_NATS_URL: not a NATS URL"),
+        ("ONTOFABRIC_EMBEDDING_API_URL", "abc", "ONTOFABRIC_EMBEDDING_API_URL: not an http:// or https:// URL"),
+        ("ONTOFABRIC_RERANKER_URL", "abc", "ONTOFABRIC_RERANKER_URL: not an http:// or https:// URL"),
+        ("ONTOFABRIC_RERANKER_MODEL_PATH", "/nonexistent", "RERANKER_MODEL_PATH /nonexistent: no such file"),
+        ("ONTOFABRIC_NATS_TLS_KEY", "/etc/hostname", "ONTOFABRIC_NATS_TLS_KEY needs ONTOFABRIC_NATS_TLS_CERT"),
+        ("ONTOFABRIC_BM25_FULL_READ_POSTINGS", "99999999999999999999", "less than or equal to 1000000000"),
+        ("ONTOFABRIC_PROJECTOR_ACK_WAIT_S", "99999999999999999999", "less than or equal to 3600"),
+        ("ONTOFABRIC_DELTA_MAX_AGE_DAYS", "0.0000000001", "greater than or equal to 0.041"),
     ],
 )  # fmt: skip
 def test_a_setting_that_is_not_valid_is_named_with_what_is_wrong(variable: str, value: str, said: str) -> None:

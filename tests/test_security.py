@@ -175,6 +175,11 @@ def test_an_invalid_setting_is_named_without_its_value() -> None:
         ("ws://TOKEN@h", "ws://***@h"),
         ("host=h user=u password=Secr3t dbname=x", "host=h user=u password=*** dbname=x"),
         ("host=h password='a b' dbname=x", "host=h password=*** dbname=x"),
+        # A configuration tester's: keys, tokens and signatures in an endpoint's query were printed.
+        ("https://h/v2/rerank?api_key=s3cret&x=1", "https://h/v2/rerank?api_key=***&x=1"),
+        ("https://h/v1?access_token=s3cret", "https://h/v1?access_token=***"),
+        ("https://h/f?code=s3cret&sig=s3cret", "https://h/f?code=***&sig=***"),
+        ("https://h/x?subscription-key=s3cret", "https://h/x?subscription-key=***"),
     ],
 )
 def test_urls_are_printed_without_their_secrets(url: str, shown: str) -> None:

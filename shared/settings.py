@@ -652,6 +652,15 @@ class Settings(BaseSettings):
         "progress bars into it (`HF_HUB_DISABLE_PROGRESS_BARS=0` brings them back).",
     )
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_only_spaces(cls, value: object) -> object:
+        """A value of spaces alone was taken as given (an empty data directory, model name or host: a configuration
+        tester's), where an empty one is unset."""
+        if isinstance(value, str) and value and not value.strip():
+            raise ValueError("only whitespace: give a value, or leave it empty (unset)")
+        return value
+
     @field_validator("calibration_dense", "calibration_keyword", "calibration_hybrid", mode="before")
     @classmethod
     def _calibration_lengths(cls, value: object, info: ValidationInfo) -> object:

@@ -21,7 +21,7 @@ from ontofabric.services.projector.worker import ProjectorService
 from ontofabric.services.query import pipeline as pipeline_module
 from ontofabric.services.query.client import QueryClient
 from ontofabric.services.query.fusion import Fused, SourceHit
-from ontofabric.services.query.names import match_quality, republished
+from ontofabric.services.query.names import match_quality, republished_as
 from ontofabric.services.query.symbols import (
     BASE,
     CALLEE,
@@ -384,15 +384,16 @@ def test_match_quality_ranks_the_whole_name_then_its_last_parts_then_case() -> N
     assert match_quality("tenacity.retry.Retrying", "tenacity") is None
 
 
-def test_republished_is_a_python_name_shorter_than_the_symbols_own_as_imported() -> None:
-    assert republished("anyio._core._eventloop.sleep", ["anyio.sleep"], "python")
-    assert not republished("anyio.abc._eventloop.AsyncBackend.sleep", [], "python")
+def test_republished_as_is_a_python_name_shorter_than_the_symbols_own_as_imported() -> None:
+    assert republished_as("anyio._core._eventloop.sleep", ["anyio.sleep"], "python") == "anyio.sleep"
+    assert republished_as("anyio.abc._eventloop.AsyncBackend.sleep", [], "python") is None
     # A src layout names every chunk by its import name too: that alone publishes nothing (a review's).
-    assert republished("src.shapes.timing.pause", ["shapes.timing.pause", "src.shapes.pause", "shapes.pause"], "python")
-    assert not republished("src.shapes.backends.Backend.pause", ["shapes.backends.Backend.pause"], "python")
+    aliases = ["shapes.timing.pause", "src.shapes.pause", "shapes.pause"]
+    assert republished_as("src.shapes.timing.pause", aliases, "python") == "shapes.pause"
+    assert republished_as("src.shapes.backends.Backend.pause", ["shapes.backends.Backend.pause"], "python") is None
     # Other languages name every declaration by its package (a review's Go `package main`) or crate.
-    assert not republished("tools.gen.render", ["main.render"], "go")
-    assert not republished("", ["x"], "python")
+    assert republished_as("tools.gen.render", ["main.render"], "go") is None
+    assert republished_as("", ["x"], "python") is None
 
 
 def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_theirs() -> None:
@@ -453,6 +454,10 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
     assert [hit.id for hit in public][:2] == ["function", "method"]
     asked = definitions_first("area", definitions, candidates, 10, kind="method", kinds=kinds, published={"function"})
     assert [hit.id for hit in asked][:2] == ["method", "function"]
+    # What defines it before what assigns it (an agent tester's click `Context`, annotating `command: Command`, went
+    # before the method `Group.command`).
+    assigned = definitions_first("area", definitions, candidates, 10, assigning={"method"})
+    assert [hit.id for hit in assigned][:2] == ["function", "method"]
 
 
 @pytest.mark.parametrize(
@@ -676,6 +681,7 @@ async def test_a_name_finds_its_definition_first_through_the_real_path(
     # A bare name: what the package publishes before a method of that name (an agent tester's `sleep`).
     paused = await _ask(client, "pause")
     assert _names(paused)[:2] == ["shapes.timing.pause (method)", "shapes.backends.Backend.pause (method)"]
+    assert "defines the name asked, published as shapes.pause\n" in render(paused)  # why it came first
     # And its relations by that name (a tester's callers of click.echo: "no symbol named ... is indexed").
     assert _names(await _ask(client, "what calls shapes.Circle"))[0] == "shapes.report.round_one (method)"
     assert _names(await _ask(client, "what subclasses shapes.Circle"))[0] == "shapes.report.Ring (type)"

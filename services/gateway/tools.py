@@ -38,6 +38,7 @@ from ontofabric.contracts.documents import NOT_FOLLOWING
 from ontofabric.contracts.query import FILTERS, MAX_TOKENS_LIMIT, MIN_MAX_TOKENS, RELATIONS_READ
 from ontofabric.services.query.budget import BYTES_PER_TOKEN, cut_to, json_size, slice_lines
 from ontofabric.services.query.client import request_json
+from ontofabric.services.query.names import republished_as
 from ontofabric.services.query.symbols import (
     BASE,
     CALLEE,
@@ -659,12 +660,28 @@ def _result_line(result: SearchResult, briefly: bool = False) -> str:
         # The kind of symbol where the ingester says it: its chunk level calls a function a "method".
         + f" · {printable(str(result.metadata.get('symbolKind') or result.metadata.get('chunkLevel', '')))}"
         + f" · score {result.score:.3f} · id {result.id}"
-        + (" · defines the name asked" if any(f.retriever == SYMBOL for f in result.found_by) else "")
+        + (
+            f" · defines the name asked{_published(result)}"
+            if any(f.retriever == SYMBOL for f in result.found_by)
+            else ""
+        )
         + (" · of the file asked" if any(f.retriever == FILE for f in result.found_by) else "")
         + (" · writes the message asked" if any(f.retriever == MESSAGE for f in result.found_by) else "")
         + assigned
         + "".join(f" · {STANDING[f.retriever]} the symbol asked" for f in result.found_by if f.retriever in STANDING)
     )
+
+
+def _published(result: SearchResult) -> str:
+    """`, published as anyio.sleep` for a definition its package re-exports (an agent tester could not tell why
+    `httpx._api.get` came first for `get`), else nothing."""
+    aliases = result.metadata.get("aliases")
+    named = republished_as(
+        str(result.metadata.get("symbolFqn") or ""),
+        [str(alias) for alias in aliases] if isinstance(aliases, list) else [],
+        result.source_domain,
+    )
+    return f", published as {printable(named)}" if named else ""
 
 
 def _no_definition_placed(meta: QueryMeta) -> bool:

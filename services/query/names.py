@@ -23,17 +23,18 @@ def last_part(name: str) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def republished(symbol_fqn: str, aliases: Sequence[str], source_domain: str) -> bool:
-    """Whether a Python package re-exports the symbol under a shorter name than its own (``anyio.sleep`` for
-    ``anyio._core._eventloop.sleep``): an alias of fewer parts than its own name as imported, which is an alias too
-    in a src layout (``pkg.mod.f`` for ``src.pkg.mod.f``; a review's, where every chunk had an alias). Python's
-    aliases alone say so: other languages' name every declaration by its package or crate (a review's Go
-    ``package main`` function went first)."""
+def republished_as(symbol_fqn: str, aliases: Sequence[str], source_domain: str) -> str | None:
+    """The shortest name a Python package re-exports the symbol under, where it is shorter than its own
+    (``anyio.sleep`` for ``anyio._core._eventloop.sleep``): an alias of fewer parts than its own name as imported,
+    which is an alias too in a src layout (``pkg.mod.f`` for ``src.pkg.mod.f``; a review's, where every chunk had
+    an alias); else None. Python's aliases alone say so: other languages' name every declaration by its package or
+    crate (a review's Go ``package main`` function went first)."""
     if source_domain != "python" or not symbol_fqn:
-        return False
+        return None
     imported = [alias for alias in aliases if symbol_fqn.endswith("." + alias)]
     parts = min(name.count(".") for name in [symbol_fqn, *imported])
-    return any(alias.count(".") < parts for alias in aliases)
+    shorter = [alias for alias in aliases if alias.count(".") < parts]
+    return min(shorter, key=lambda alias: (alias.count("."), alias)) if shorter else None
 
 
 def published_name(symbol_fqn: str) -> str:

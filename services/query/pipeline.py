@@ -61,7 +61,7 @@ from .fusion import Fused, fuse
 from .graph import GraphCache, OntologyGraph, expand
 from .hints import reads_as_relationship_question, shape_of
 from .messages import MessageAsked, message_asked, message_order, raises, written_by
-from .names import republished
+from .names import republished_as
 from .run import QueryRun, milliseconds_since
 from .stages import (
     CODE_LEVELS,
@@ -1095,14 +1095,23 @@ class QueryPipeline:
         published = {
             doc_id
             for doc_id in found
-            if republished(
+            if republished_as(
                 str(documents[doc_id].metadata.get("symbolFqn") or ""),
                 documents[doc_id].metadata.get("aliases") or [],
                 documents[doc_id].source_domain,
             )
         }
         return definitions_first(
-            name, found, candidates, run.query.top_k, definitions.modules, kind, kinds, files, published
+            name,
+            found,
+            candidates,
+            run.query.top_k,
+            definitions.modules,
+            kind,
+            kinds,
+            files,
+            published,
+            definitions.assigning,
         )
 
     def _calibrated_scores(

@@ -527,12 +527,15 @@ def definitions_first(
     kinds: Mapping[str, str] | None = None,
     files: Mapping[str, str] | None = None,
     published: Collection[str] = frozenset(),
+    assigning: Collection[str] = frozenset(),
 ) -> list[Fused]:
     """The chunks whose qualified name matches ``name`` (``definitions``: id -> symbolFqn, as looked up), at most
     ``limit``, ahead of the other candidates, each scoring 1 and found by ``symbol`` besides what found it before.
     Matches ignoring case count only when none matches as written. Among themselves: the better match first, then
     those of the ``kind`` of symbol asked (``kinds``: id -> symbolKind; an agent tester's ``def cell_len`` got a
-    property first, the function second), then classes and functions before modules (``modules``: ids of whole
+    property first, the function second), then what defines it before what assigns it (``assigning``: an agent
+    tester's `command` had click's class `Context`, annotating `command: Command`, before the method
+    `Group.command`), then classes and functions before modules (``modules``: ids of whole
     files; a module would hold, and so hide, its function of the same name), then code before the declaration
     file of its module (``files``: id -> filePath; an agent tester's every lookup in a published package had the
     `.d.ts` signature first, its code second), then what its package publishes (``published``: ids of chunks
@@ -546,6 +549,7 @@ def definitions_first(
         (
             quality,
             kind is not None and of_kind.get(doc_id) != kind,
+            doc_id in assigning,
             doc_id in modules,
             is_declaration_file(in_file.get(doc_id, "")),
             doc_id not in published,

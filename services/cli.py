@@ -2356,7 +2356,7 @@ def show_settings(
         # Piped, a line a setting, tab-separated: a table wrapped URLs and paths at 13 columns, which could be
         # neither copied nor grepped (a configuration tester's).
         for row in rows:
-            print("\t".join(" ".join(part.split()) for part in row))
+            print("\t".join(part.replace("\t", " ").replace("\n", " ") for part in row))
         _warn_unknown_variables()
         return
     table = whole_table("variable", "value", "meaning")

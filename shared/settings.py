@@ -296,10 +296,10 @@ class Settings(BaseSettings):
     )
     delta_max_age_days: float | None = Field(
         default=None,
-        ge=1 / 24,
+        ge=0.0416,
         le=36_500,
-        description="The delta stream drops deltas older than this, at least an hour (unset: kept until `ontofabric "
-        "compact` folds "
+        description="The delta stream drops deltas older than this, at least an hour (0.0416; unset: kept until "
+        "`ontofabric compact` folds "
         "them into snapshots). Run `compact` more often than this, or a rebuild has no complete history to "
         "replay; a projector further behind than this loses deltas.",
     )
@@ -746,10 +746,6 @@ class Settings(BaseSettings):
                 self.embedder == "openai" and self.next_embedding_model is not None
             ),
             "reranker=local needs reranker_model_path": self.reranker == "local" and self.reranker_model_path is None,
-            # A configuration tester's: a path that is not there ended the worker in a traceback from transformers.
-            f"reranker_model_path {self.reranker_model_path}: no such file or directory": (
-                self.reranker_model_path is not None and not self.reranker_model_path.exists()
-            ),
             "nats_tls_cert needs nats_tls_ca: a server unverified is no TLS": (
                 self.nats_tls_cert is not None and self.nats_tls_ca is None
             ),
@@ -787,7 +783,8 @@ class Settings(BaseSettings):
             except (OSError, ssl.SSLError) as error:
                 reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
                 raise ValueError(
-                    f"nats_tls_cert {self.nats_tls_cert}: no certificate and unencrypted key (PEM) read ({reason})"
+                    f"nats_tls_cert {self.nats_tls_cert}: no certificate and its key, unencrypted (PEM), read "
+                    f"({reason})"
                 ) from None
         return self
 
@@ -810,7 +807,8 @@ class Settings(BaseSettings):
                 scheme = urlsplit((url or "").strip()).scheme
                 if url and name != "nats_url" and scheme not in ("postgresql", "postgres"):
                     raise ValueError(f"{name}: not a PostgreSQL URL (postgresql://user@host:5432/database)")
-                if name == "nats_url" and self.nats_url is not None and not _nats_url((url or "").strip()):
+                written = (url or "").strip()  # an empty part is left out, as connecting leaves it (a retest's)
+                if name == "nats_url" and self.nats_url is not None and written and not _nats_url(written):
                     # A configuration tester's `nats://` ended a command in nats-py's traceback, and the gateway
                     # answered every call "unavailable (retryable)".
                     raise ValueError(
@@ -967,12 +965,17 @@ def unknown_variables(environ: Mapping[str, str]) -> dict[str, str | None]:
 
 
 _SECRET_PARAMETER = re.compile(
-    r"(?i)((?:^|[&?;\s])(?:[\w.-]*(?:password|token|secret|key|nkey|seed|sig|signature|credentials?|auth)|code)"
-    r"\s*=\s*)('[^']*'|[^&;\s]*)"
+    r"(?i)((?:^|[&?#;\s])"
+    r"(?:[\w.-]*(?:password|secret|token|credentials?|signature|(?<!ssl)key)|sig|code|seed|nkey|auth)"
+    r"\s*=\s*)('[^']*'|[^&\s]*)"
 )
-"""A URL's parameter or a libpq setting whose value is a secret: a password, a token (`access_token`), a key
-(`api_key`, `subscription-key`), a signature (`sig`), a code (a configuration tester's `api_key=` was printed)."""
-_NEXT_URL = re.compile(r",(?=[A-Za-z][A-Za-z0-9+.-]*://)")
+"""A URL's parameter (in its query or fragment) or a libpq setting whose value is a secret: a password, a token
+(`access_token`), a key (`api_key`, `accesskey`), a signature (`sig`), a code (a configuration tester's `api_key=`
+was printed); not libpq's key file (`sslkey`) nor an authentication method (`require_auth`), a retest's. Its value
+runs to the next `&` or space: asyncpg reads `;` and `#` as part of a password (a review's `pa;ss` was half
+shown)."""
+_NEXT_URL = re.compile(r",\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
+"""Where a list's next URL starts, after a comma and any spaces (a retest's `url1, url2` was shown as one URL)."""
 
 
 def redacted_url(url: str) -> str:
@@ -987,9 +990,10 @@ def _redacted_one(url: str) -> str:
     if sep and "@" in rest:
         userinfo, _, host = rest.rpartition("@")
         user, colon, _ = userinfo.partition(":")
-        # A user without a password is a token in NATS (and most other) URLs; PostgreSQL's is a role name.
-        keep_user = colon or scheme.startswith("postgres")
-        rest = f"{user}:***@{host}" if colon else (f"{user}@{host}" if keep_user else f"***@{host}")
+        # A user without a password is a token in NATS (and most other) URLs; PostgreSQL's is a role name. One
+        # holding `@` is a list's earlier login and host (a review's `tokA@h1:4222,tokB@h2:4222`): hidden whole.
+        keep_user = (colon or scheme.startswith("postgres")) and "@" not in user
+        rest = f"{user}:***@{host}" if colon and keep_user else (f"{user}@{host}" if keep_user else f"***@{host}")
     text = f"{scheme}{sep}{rest}" if sep else url
     return _SECRET_PARAMETER.sub(r"\1***", text)
 

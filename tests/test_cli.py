@@ -801,7 +801,6 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         ("ONTOFABRIC_NATS_URL", "http://h:4222", "ONTOFABRIC_NATS_URL: not a NATS URL"),
         ("ONTOFABRIC_EMBEDDING_API_URL", "abc", "ONTOFABRIC_EMBEDDING_API_URL: not an http:// or https:// URL"),
         ("ONTOFABRIC_RERANKER_URL", "abc", "ONTOFABRIC_RERANKER_URL: not an http:// or https:// URL"),
-        ("ONTOFABRIC_RERANKER_MODEL_PATH", "/nonexistent", "RERANKER_MODEL_PATH /nonexistent: no such file"),
         ("ONTOFABRIC_NATS_TLS_KEY", "/etc/hostname", "ONTOFABRIC_NATS_TLS_KEY needs ONTOFABRIC_NATS_TLS_CERT"),
         ("ONTOFABRIC_BM25_FULL_READ_POSTINGS", "99999999999999999999", "less than or equal to 1000000000"),
         ("ONTOFABRIC_PROJECTOR_ACK_WAIT_S", "99999999999999999999", "less than or equal to 3600"),

@@ -458,6 +458,9 @@ def test_definitions_go_first_in_match_then_pipeline_order_and_the_rest_keep_the
     # before the method `Group.command`).
     assigned = definitions_first("area", definitions, candidates, 10, assigning={"method"})
     assert [hit.id for hit in assigned][:2] == ["function", "method"]
+    # Before what its package publishes too: the class annotating it was click's published `Context` (a review's).
+    assigned = definitions_first("area", definitions, candidates, 10, published={"method"}, assigning={"method"})
+    assert [hit.id for hit in assigned][:2] == ["function", "method"]
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from ontofabric.services.query.rerankers import (
 from ontofabric.services.query.stages import second_opinion
 from ontofabric.shared.onnx_models import BUNDLED_CROSS_ENCODER, BUNDLED_SECOND_EMBEDDER, OnnxEmbedder, bundled_model
 from ontofabric.shared.runtime import free_port
-from ontofabric.shared.settings import Settings
+from ontofabric.shared.settings import Settings, SettingsUnusable
 
 from .conftest import SPANS, metric_points
 from .test_pipeline import ScriptedRetrieval, pipeline_over
@@ -324,6 +324,18 @@ def test_onnx_rerankers_load_the_configured_model_or_say_what_is_missing(
     if bundled_model(bundled) is None:
         with pytest.raises(ValueError, match="ONTOFABRIC_RERANKER_MODEL_PATH"):
             build_reranker(Settings(reranker=reranker))
+
+
+def test_a_reranker_directory_without_its_model_is_refused_when_the_worker_builds_it(tmp_path: Path) -> None:
+    """A configuration tester's: a directory holding no model ended the worker in a traceback of the library. Said
+    by the query worker alone: a projector sharing its settings has no need of the model (a review's)."""
+    with pytest.raises(SettingsUnusable, match=r"RERANKER_MODEL_PATH .*: no config\.json in it"):
+        build_reranker(Settings(reranker="local", reranker_model_path=tmp_path))
+    with pytest.raises(SettingsUnusable, match=r"RERANKER_MODEL_PATH .*: no model\.onnx or tokenizer\.json in it"):
+        build_reranker(Settings(reranker="onnx", reranker_model_path=tmp_path))
+    with pytest.raises(SettingsUnusable, match=r"RERANKER_MODEL_PATH .*: no such directory"):
+        build_reranker(Settings(reranker="second-embedder", reranker_model_path=tmp_path / "model.onnx"))
+    assert build_reranker(Settings(reranker="none", reranker_model_path=tmp_path / "elsewhere")) is None
 
 
 def test_second_opinion_fuses_the_given_order_with_the_second_models() -> None:

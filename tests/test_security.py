@@ -180,6 +180,23 @@ def test_an_invalid_setting_is_named_without_its_value() -> None:
         ("https://h/v1?access_token=s3cret", "https://h/v1?access_token=***"),
         ("https://h/f?code=s3cret&sig=s3cret", "https://h/f?code=***&sig=***"),
         ("https://h/x?subscription-key=s3cret", "https://h/x?subscription-key=***"),
+        ("https://h/v1#access_token=s3cret", "https://h/v1#access_token=***"),  # in a fragment (a retest's)
+        ("https://h/v2?accesskey=s3cret&auth=s3cret", "https://h/v2?accesskey=***&auth=***"),
+        # A password runs to the next & or space, as asyncpg reads it (a review's `pa;ss` was half shown).
+        ("postgresql://u@h/d?password=pa;ss-s3cret", "postgresql://u@h/d?password=***"),
+        ("host=h password=ab#s3cret dbname=x", "host=h password=*** dbname=x"),
+        # Logins of a seed list without schemes: the first one's token is no user name (a review's).
+        ("nats://tokA-s3cret@h1:4222,tokB-s3cret@h2:4222", "nats://***@h2:4222"),
+        # Not a key's file nor an authentication method, which an operator reads (the retest's).
+        (
+            "postgresql://u@h/d?sslkey=/etc/c.key&require_auth=scram-sha-256&max_tokens=9",
+            "postgresql://u@h/d?sslkey=/etc/c.key&require_auth=scram-sha-256&max_tokens=9",
+        ),
+        # A list written with spaces after its commas: each URL on its own (the retest's first host went missing).
+        (
+            "postgresql://u:s3cret@r1:5432/d, postgresql://u@r2:5433/d",
+            "postgresql://u:***@r1:5432/d,postgresql://u@r2:5433/d",
+        ),
     ],
 )
 def test_urls_are_printed_without_their_secrets(url: str, shown: str) -> None:

@@ -674,7 +674,10 @@ def _result_line(result: SearchResult, briefly: bool = False) -> str:
 
 def _published(result: SearchResult) -> str:
     """`, published as anyio.sleep` for a definition its package re-exports (an agent tester could not tell why
-    `httpx._api.get` came first for `get`), else nothing."""
+    `httpx._api.get` came first for `get`), else nothing; nothing for a chunk that assigns the name, whose
+    published name is its class's or module's (a review's `Context`, annotating `command`)."""
+    if result.assigned_at_line is not None:
+        return ""
     aliases = result.metadata.get("aliases")
     named = republished_as(
         str(result.metadata.get("symbolFqn") or ""),

@@ -172,9 +172,27 @@ class CohereReranker:
         await self._client.aclose()
 
 
+def model_missing(reranker: str, path: Path | None) -> str | None:
+    """What a reranker's model directory lacks, or None: sentence-transformers reads a directory with its
+    `config.json`, the ONNX rerankers `model.onnx` and `tokenizer.json` in one."""
+    if path is None or reranker in ("none", "cohere"):
+        return None
+    if not path.is_dir():
+        return "no such directory"
+    needed = ("config.json",) if reranker == "local" else ("model.onnx", "tokenizer.json")
+    missing = [name for name in needed if not (path / name).is_file()]
+    return f"no {' or '.join(missing)} in it" if missing else None
+
+
 def build_reranker(settings: Settings) -> Reranker | None:
     if settings.reranker == "none":
         return None
+    # Here, not in the settings: only a query worker reads it, and a projector sharing its environment has no
+    # need of the model on its disk (a review's). A directory holding no model ended the worker in a traceback of
+    # the library (a configuration tester's).
+    missing = model_missing(settings.reranker, settings.reranker_model_path)
+    if missing is not None:
+        raise SettingsUnusable(f"ONTOFABRIC_RERANKER_MODEL_PATH {settings.reranker_model_path}: {missing}")
     if settings.reranker == "local":
         if settings.reranker_model_path is None:
             raise SettingsUnusable("ONTOFABRIC_RERANKER=local needs ONTOFABRIC_RERANKER_MODEL_PATH")

@@ -296,9 +296,9 @@ class Settings(BaseSettings):
     )
     delta_max_age_days: float | None = Field(
         default=None,
-        ge=0.0416,
+        gt=0,
         le=36_500,
-        description="The delta stream drops deltas older than this, at least an hour (0.0416; unset: kept until "
+        description="The delta stream drops deltas older than this, at least dedupe_window_s (unset: kept until "
         "`ontofabric compact` folds "
         "them into snapshots). Run `compact` more often than this, or a rebuild has no complete history to "
         "replay; a projector further behind than this loses deltas.",
@@ -827,6 +827,17 @@ class Settings(BaseSettings):
                         f"{name}: {said} (the URL is not shown: it may hold a password, in which /, ?, #, @ and , "
                         "are written %2F, %3F, %23, %40 and %2C)"
                     ) from None
+        return self
+
+    @model_validator(mode="after")
+    def _max_age_holds_the_dedupe_window(self) -> Self:
+        """NATS refuses a duplicate window longer than the stream's max age, when a projector starts; and a max age
+        within a second of none was not applied at all (a configuration tester's)."""
+        if self.delta_max_age_days is not None and self.delta_max_age_days * 86_400 < self.dedupe_window_s:
+            raise ValueError(
+                f"delta_max_age_days ({self.delta_max_age_days * 86_400:g} s) is shorter than dedupe_window_s "
+                f"({self.dedupe_window_s:g} s): the stream must keep its deltas at least as long as their ids"
+            )
         return self
 
     @model_validator(mode="after")

@@ -804,7 +804,7 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         ("ONTOFABRIC_NATS_TLS_KEY", "/etc/hostname", "ONTOFABRIC_NATS_TLS_KEY needs ONTOFABRIC_NATS_TLS_CERT"),
         ("ONTOFABRIC_BM25_FULL_READ_POSTINGS", "99999999999999999999", "less than or equal to 1000000000"),
         ("ONTOFABRIC_PROJECTOR_ACK_WAIT_S", "99999999999999999999", "less than or equal to 3600"),
-        ("ONTOFABRIC_DELTA_MAX_AGE_DAYS", "0.0000000001", "greater than or equal to 0.041"),
+        ("ONTOFABRIC_DELTA_MAX_AGE_DAYS", "0.0000000001", "is shorter than ONTOFABRIC_DEDUPE_WINDOW_S (600 s)"),
         ("ONTOFABRIC_DATA_DIR", "  ", "ONTOFABRIC_DATA_DIR: only whitespace"),
         ("ONTOFABRIC_EMBEDDING_MODEL", "\t", "ONTOFABRIC_EMBEDDING_MODEL: only whitespace"),
     ],

@@ -801,7 +801,7 @@ def test_a_rebuild_refused_before_any_shadow_was_made_offers_nothing_to_discard(
         ("ONTOFABRIC_NATS_URL", "http://h:4222", "ONTOFABRIC_NATS_URL: not a NATS URL"),
         ("ONTOFABRIC_EMBEDDING_API_URL", "abc", "ONTOFABRIC_EMBEDDING_API_URL: not an http:// or https:// URL"),
         ("ONTOFABRIC_RERANKER_URL", "abc", "ONTOFABRIC_RERANKER_URL: not an http:// or https:// URL"),
-        ("ONTOFABRIC_NATS_TLS_KEY", "/etc/hostname", "ONTOFABRIC_NATS_TLS_KEY needs ONTOFABRIC_NATS_TLS_CERT"),
+        ("ONTOFABRIC_NATS_TLS_KEY", ONTOFABRIC, "ONTOFABRIC_NATS_TLS_KEY needs ONTOFABRIC_NATS_TLS_CERT"),
         ("ONTOFABRIC_BM25_FULL_READ_POSTINGS", "99999999999999999999", "less than or equal to 1000000000"),
         ("ONTOFABRIC_PROJECTOR_ACK_WAIT_S", "99999999999999999999", "less than or equal to 3600"),
         ("ONTOFABRIC_DELTA_MAX_AGE_DAYS", "0.0000000001", "is shorter than ONTOFABRIC_DEDUPE_WINDOW_S (600 s)"),

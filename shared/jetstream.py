@@ -312,9 +312,16 @@ async def connect(
     _CONNECTIONS[nc] = name
     waiting: _Waiting = {}
     authorization_refused = asyncio.Event()
+    given_up = asyncio.Event()
     outage = _Outage()
 
     async def on_error(error: Exception) -> None:
+        if given_up.is_set() and not nc.is_connected:
+            # Python 3.11's wait_for returns what it waited for when that completes as its task is cancelled, and
+            # nats-py waits so for the TCP connection: the cancellation lost, an attempt given up on retried for
+            # ever, and asyncio.run's shutdown waited on it (a CI run's `compact`, stopped by SIGTERM, never ended).
+            # Its next failure ends it.
+            raise asyncio.CancelledError
         if on_unread is not None and isinstance(error, nats.errors.SlowConsumerError) and await on_unread(error):
             return
         if refused_login(error) and not nc.is_connected:
@@ -403,6 +410,7 @@ async def connect(
     finally:
         refused.cancel()
         if not connecting.done():
+            given_up.set()
             connecting.cancel()
     if not connecting.done() or connecting.cancelled():
         await asyncio.wait([connecting])  # let the cancelled attempt end before closing

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
@@ -216,6 +217,39 @@ async def test_a_closed_connection_ends_the_loop_instead_of_waiting_for_a_reconn
         with pytest.raises(ConnectionError, match="closed"):
             await puller._task
     assert fetches.fetches == 0
+
+
+async def test_a_connection_given_up_on_as_its_socket_connects_still_ends() -> None:
+    """Python 3.11's wait_for returns what it waited for when that completes as its task is cancelled, and nats-py
+    waits so for the TCP connection: its attempt, cancelled at that moment, retried for ever, and asyncio.run's
+    shutdown waited on it (a CI run's `compact`, stopped by SIGTERM, never ended). Here the caller gives up in the
+    loop iteration in which the socket connects, to a server that never says hello."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        caller = asyncio.create_task(
+            connect(f"nats://127.0.0.1:{silent.getsockname()[1]}", "given-up", wait_for_server=True)
+        )
+        opening = None
+        async with asyncio.timeout(30):
+            while opening is None or not opening.done():
+                await asyncio.sleep(0)  # once an iteration
+                opening = opening or next(
+                    (task for task in asyncio.all_tasks() if _runs(task, "open_connection")), None
+                )
+        attempt = next(task for task in asyncio.all_tasks() if _runs(task, "Client.connect"))
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        ended, _ = await asyncio.wait([attempt], timeout=15)  # nats-py waits 2 s for the server's hello
+        if not ended:  # not to leave it running: a cancellation at another moment is not lost
+            attempt.cancel()
+            await asyncio.wait([attempt], timeout=5)
+    assert ended, "the attempt given up on went on connecting"
+
+
+def _runs(task: asyncio.Task[Any], qualified_name: str) -> bool:
+    return getattr(task.get_coro(), "__qualname__", None) == qualified_name
 
 
 async def test_nothing_is_fetched_while_the_connection_is_down() -> None:

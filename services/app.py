@@ -15,6 +15,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.priority import lower_process_priority
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
+from ontofabric.shared.tasks import cancel_and_wait
 
 from .projector.worker import AzureProjectorService, ProjectorService
 from .query.rerankers import build_reranker
@@ -149,9 +150,9 @@ async def serve_until_signal(
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for wait in waits:
-                wait.cancel()
-            await asyncio.wait(waits)
+            # Each until it ends: a start whose cancellation nats-py lost (3.11's wait_for) went on to wait for
+            # ever, a signal after it already taken (a review's).
+            await asyncio.gather(*map(cancel_and_wait, waits), return_exceptions=True)
         failed = None if running.cancelled() else running.exception()
         if failed is not None:
             raise failed  # a worker that could not start

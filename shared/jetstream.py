@@ -44,6 +44,7 @@ from .logging import describe, get_logger
 from .nats_auth import inbox_prefix, nkey_public_key
 from .settings import Settings, SettingsUnusable, redacted_url
 from .subjects import PARTITION_COUNTS, Names
+from .tasks import cancel_and_wait
 from .telemetry import meter
 
 T = TypeVar("T")
@@ -312,16 +313,9 @@ async def connect(
     _CONNECTIONS[nc] = name
     waiting: _Waiting = {}
     authorization_refused = asyncio.Event()
-    given_up = asyncio.Event()
     outage = _Outage()
 
     async def on_error(error: Exception) -> None:
-        if given_up.is_set() and not nc.is_connected:
-            # Python 3.11's wait_for returns what it waited for when that completes as its task is cancelled, and
-            # nats-py waits so for the TCP connection: the cancellation lost, an attempt given up on retried for
-            # ever, and asyncio.run's shutdown waited on it (a CI run's `compact`, stopped by SIGTERM, never ended).
-            # Its next failure ends it.
-            raise asyncio.CancelledError
         if on_unread is not None and isinstance(error, nats.errors.SlowConsumerError) and await on_unread(error):
             return
         if refused_login(error) and not nc.is_connected:
@@ -407,20 +401,29 @@ async def connect(
     refused = asyncio.ensure_future(authorization_refused.wait())
     try:
         await asyncio.wait([connecting, refused], timeout=first_connect_s, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the caller gave up
+        await _abandon(connecting, nc)
+        raise
     finally:
         refused.cancel()
-        if not connecting.done():
-            given_up.set()
-            connecting.cancel()
-    if not connecting.done() or connecting.cancelled():
-        await asyncio.wait([connecting])  # let the cancelled attempt end before closing
-        await close(nc)
+    if not connecting.done():
+        await _abandon(connecting, nc)
         if authorization_refused.is_set():
             raise PermissionDenied(f"the NATS server at {redacted_url(url)} refused these credentials")
         raise NatsUnreachable(f"no NATS server answered at {redacted_url(url)} within {first_connect_s:g} s")
     connecting.result()
     _DENIALS[nc] = waiting
     return nc
+
+
+async def _abandon(attempt: asyncio.Task[None], nc: Client) -> None:
+    """End a first connection's ``attempt`` and close ``nc``, whether or not it connected meanwhile. Cancelled until
+    it ends: nats-py waits for the TCP connection with 3.11's wait_for, which loses a cancellation that comes as the
+    socket connects; the attempt then retried for ever, and asyncio.run's shutdown with it (a CI run's `compact`,
+    stopped by SIGTERM, never ended)."""
+    with contextlib.suppress(Exception):  # how it failed no longer matters
+        await cancel_and_wait(attempt)
+    await close(nc)
 
 
 async def close(nc: Client) -> None:
@@ -641,9 +644,17 @@ async def wait_caught_up(
     js: JetStreamContext, stream: str, durable: str, stream_seq: int, timeout_s: float, poll_s: float = 0.05
 ) -> None:
     """Wait until the consumer has handled ``stream_seq``; TimeoutError after ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(timeout_s) as deadline:
         while await ack_floor(js, stream, durable) < stream_seq:
+            _not_past(deadline)
             await asyncio.sleep(poll_s)
+
+
+def _not_past(deadline: asyncio.Timeout) -> None:
+    """TimeoutError once ``deadline`` has passed: the cancellation it sent may have been lost in nats-py (3.11's
+    wait_for returns a reply that arrives with it), and a polling loop then went on past it (a review's)."""
+    if deadline.expired():
+        raise TimeoutError
 
 
 async def projected_floor(js: JetStreamContext, names: Names, partitions: int) -> int:
@@ -787,6 +798,7 @@ async def wait_projected(
                 on_floor(floor)
             if floor >= stream_seq:
                 return
+            _not_past(deadline)
             await asyncio.sleep(poll_s)
 
 
@@ -937,7 +949,8 @@ class StreamReader:
     async def _pause(self, seconds: float) -> None:
         """Sleep, unless stop() comes first."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
 
 
 class BatchPuller:
@@ -969,7 +982,8 @@ class BatchPuller:
         self._reader.stop()
         if self._task is not None:
             try:
-                await asyncio.wait_for(self._task, timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._task
             except TimeoutError:
                 log.warning("pull_stop_timed_out", consumer=self._reader.name, timeout_s=timeout_s)
             except Exception as error:  # already logged by _ended; stopping goes on
@@ -991,7 +1005,7 @@ class BatchPuller:
                         await msg.nak(delay=nak_delay(msg.metadata.num_delivered))
             finally:
                 if working is not None:
-                    working.cancel()
+                    await cancel_and_wait(working)  # nats-py loses a cancellation in a flush it forces
 
 
 async def _in_progress(batch: list[Msg], every_s: float) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -32,10 +33,12 @@ from ontofabric.shared.jetstream import (
     dlq_stream_config,
     ensure_jetstream,
     subscriptions_visible,
+    wait_caught_up,
 )
 from ontofabric.shared.runtime import EmbeddedRuntime, Endpoints, with_login
 from ontofabric.shared.settings import SettingsUnusable
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.tasks import cancel_and_wait
 
 from .conftest import Deployment
 
@@ -246,6 +249,66 @@ async def test_a_connection_given_up_on_as_its_socket_connects_still_ends() -> N
             attempt.cancel()
             await asyncio.wait([attempt], timeout=5)
     assert ended, "the attempt given up on went on connecting"
+
+
+class _LosesOneCancellation:
+    """Waits as nats-py's wait_for under Python 3.11 does when a reply arrives with the cancellation: the first
+    cancellation is lost, and the caller goes on with ``then``; later ones are not."""
+
+    lost = False
+
+    async def wait(self, then: Callable[[], Awaitable[Any]]) -> Any:
+        if not self.lost:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.lost = True
+                current = asyncio.current_task()
+                assert current is not None
+                current.uncancel()
+        return await then()
+
+
+async def test_workers_whose_start_lost_a_cancellation_still_stop(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review's: the workers' start (nats-py requests all through) was cancelled once and waited for without a
+    bound; its cancellation lost, it went on to wait for ever, and a second SIGTERM found the stop already set."""
+    from ontofabric.services import app
+
+    async def start_workers(*_: Any) -> None:
+        await _LosesOneCancellation().wait(asyncio.Event().wait)
+
+    monkeypatch.setattr(app, "start_workers", start_workers)
+    endpoints = Endpoints(nats_url=deployment.nats_url, database_url=deployment.settings.database_url or "")
+    nothing = Roles(projector=False, query=False, azure_projector=False)
+    serving = asyncio.create_task(serve_until_signal(deployment.settings, endpoints, nothing, exited=lambda: ["nats"]))
+    ended, _ = await asyncio.wait([serving], timeout=10)
+    if not ended:
+        await cancel_and_wait(serving)
+    assert ended, "the workers never stopped"
+    with pytest.raises(app.ServersEnded):
+        serving.result()
+
+
+async def test_a_wait_for_a_consumer_ends_at_its_deadline_though_nats_py_lost_its_cancellation() -> None:
+    """A review's: the deadline cancels its task once; a look whose cancellation nats-py lost returned, and the
+    polling went on past the deadline, for as long as the consumer stayed behind."""
+
+    class Behind(_LosesOneCancellation):
+        async def consumer_info(self, stream: str, durable: str) -> Any:
+            return await self.wait(self.behind)
+
+        async def behind(self) -> Any:
+            return SimpleNamespace(ack_floor=SimpleNamespace(stream_seq=1))  # acked through 1 of 10
+
+    waiting = asyncio.create_task(wait_caught_up(cast(JetStreamContext, Behind()), "s", "d", 10, timeout_s=0.2))
+    ended, _ = await asyncio.wait([waiting], timeout=10)
+    if not ended:
+        await cancel_and_wait(waiting)
+    assert ended, "the wait went on past its deadline"
+    with pytest.raises(TimeoutError):
+        waiting.result()
 
 
 def _runs(task: asyncio.Task[Any], qualified_name: str) -> bool:

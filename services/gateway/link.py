@@ -11,6 +11,7 @@ one found elsewhere is connected to at once; meanwhile calls get a retryable err
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -19,7 +20,7 @@ from nats.aio.client import Client
 
 from ontofabric.shared.jetstream import PermissionDenied, refused_login
 from ontofabric.shared.logging import get_logger
-from ontofabric.shared.tasks import start_held
+from ontofabric.shared.tasks import cancel_and_wait, start_held
 
 log = get_logger(__name__)
 
@@ -125,8 +126,8 @@ class NatsLink:
         if under_way:
             await asyncio.wait(under_way, timeout=CLOSE_WAIT_S)
         if self._reconnecting is not None and not self._reconnecting.done():
-            self._reconnecting.cancel()
-            await asyncio.wait({self._reconnecting})
+            with contextlib.suppress(Exception):  # logged where it failed
+                await cancel_and_wait(self._reconnecting)
         if self._nc is not None:
             await self._close(self._nc)
             self._nc = None

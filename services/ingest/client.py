@@ -191,7 +191,8 @@ class DeltaPublisher:
                 subject, data, headers = self._message(delta)
                 pending.append(await self._js.publish_async(subject, data, headers=headers))
             for future in pending:
-                ack = await asyncio.wait_for(asyncio.shield(future), self._ack_timeout_s)
+                async with asyncio.timeout(self._ack_timeout_s):
+                    ack = await asyncio.shield(future)
                 acks.append(ack)
                 if on_stored is not None:
                     on_stored(ack)

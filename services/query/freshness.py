@@ -17,6 +17,7 @@ removed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,7 @@ from ontofabric.shared.jetstream import highest_known_floor, last_sequence_on
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.lru import LruCache
 from ontofabric.shared.subjects import Names, encode_token, partition_of_token
+from ontofabric.shared.tasks import cancel_and_wait
 from ontofabric.shared.telemetry import housekeeping
 
 from .core import Pending
@@ -175,9 +177,10 @@ class DeltaWatch:
     async def stop(self) -> None:
         if self._following is not None:
             # Ended before it returns: a look still running read the databases' pools as they closed (a warning at
-            # every interrupted demo).
-            self._following.cancel()
-            await asyncio.wait([self._following])
+            # every interrupted demo). Until it ends: a discovery's answer arriving with the cancellation made
+            # nats-py lose it, and the loop went round for ever (a review's).
+            with contextlib.suppress(Exception):  # logged by the loop
+                await cancel_and_wait(self._following)
             self._following = None
         if self._subscription is not None:
             await self._subscription.unsubscribe()
@@ -193,7 +196,8 @@ class DeltaWatch:
             self._reading = asyncio.create_task(self._read_position())
             self._reading.add_done_callback(self._read_done)
         try:
-            return await asyncio.wait_for(asyncio.shield(self._reading), wait_s)
+            async with asyncio.timeout(wait_s):
+                return await asyncio.shield(self._reading)
         except Exception as error:
             log.warning("position_unreadable", error=describe(error))
             last = self._position

@@ -1053,9 +1053,8 @@ class QueryPipeline:
         async def ranking() -> list[tuple[int, float]]:
             nonlocal failed
             try:
-                answer = await asyncio.wait_for(
-                    reranker.rerank(run.text, texts, len(texts)), self._config.reranker_timeout_ms / 1000
-                )
+                async with asyncio.timeout(self._config.reranker_timeout_ms / 1000):
+                    answer = await reranker.rerank(run.text, texts, len(texts))
             except Exception as error:
                 failed = not isinstance(error, TimeoutError)
                 raise

@@ -77,7 +77,8 @@ class VersionTracker:
 
     async def start(self, timeout_s: float = 30.0) -> None:
         self._task = asyncio.create_task(self._watch_forever(), name="version-watch")
-        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._ready.wait()
 
     async def stop(self) -> None:
         if self._task is not None:

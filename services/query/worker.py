@@ -1170,13 +1170,16 @@ class QueryService:
                 await service.stop()
         for subscription in subscriptions:
             with contextlib.suppress(Exception):  # the connection may be gone already
-                await asyncio.wait_for(subscription.drain(), timeout_s)  # type: ignore[no-untyped-call]
+                async with asyncio.timeout(timeout_s):
+                    await subscription.drain()  # type: ignore[no-untyped-call]
         self._request_subscriptions = []
         for tally in (self._without_reply, self._refused_unread, self._refused_arriving, self._refused_busy):
             tally.say(then_again=False)
         with contextlib.suppress(TimeoutError):  # those received are answered; past the timeout, cancelled
-            await asyncio.wait_for(self._arrived.join(), timeout_s)
-            await asyncio.wait_for(self._waiting.join(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._arrived.join()
+            async with asyncio.timeout(timeout_s):
+                await self._waiting.join()
         runners, self._runners = self._runners, []
         # Cancelled until they end: one cut in a NATS request may go on to wait for the next request, for ever.
         await asyncio.gather(*map(cancel_and_wait, runners), *self._expiries, return_exceptions=True)

@@ -159,7 +159,9 @@ class QueryOptions(StrictRequest):
         description="Retrievers to run; default both.",
         json_schema_extra=_unique_when_given,
     )
-    candidates: int | None = Field(default=None, ge=1, le=1000, description="Candidates per retriever.")
+    candidates: int | None = Field(
+        default=None, ge=1, le=1000, description="Candidates per retriever; fewer than topK are read as topK."
+    )
     fusion: FusionOptions | None = None
     late_interaction: LateInteractionOptions | None = None
     second_opinion: SecondOpinionOptions | None = Field(

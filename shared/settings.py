@@ -388,7 +388,10 @@ class Settings(BaseSettings):
         "fixed figure, so that a slow spell cannot excuse its own refusals; set it near the worker's idle p50.",
     )
     retriever_top_k: int = Field(
-        default=100, ge=1, le=1000, description="Candidates per retriever (the evaluation runs with this default)."
+        default=100,
+        ge=1,
+        le=1000,
+        description="Candidates per retriever, at least a request's topK (the evaluation runs with this default).",
     )
     fusion_method: Literal["rrf", "convex", "adaptive"] = Field(
         default="adaptive",

@@ -244,6 +244,26 @@ async def test_consistent_answer_is_cached_and_labelled_with_its_version() -> No
     assert again.results == first.results
 
 
+async def test_each_retriever_is_asked_for_at_least_the_answer_s_length() -> None:
+    """A settings audit's: candidates per retriever under topK cut an answer from one retriever, unsaid."""
+    asked: list[int] = []
+    retrieval = ScriptedRetrieval()
+
+    async def counted(scope: Scope, query: SearchInput, limit: int) -> Hits:
+        asked.append(limit)
+        return Hits([Candidate(f"d{i}", 1.0 / (i + 1)) for i in range(limit)], retrieval.keyword_version)
+
+    retrieval.keyword = counted  # type: ignore[method-assign]
+    pipeline = pipeline_over(retrieval, config=PipelineConfig(retriever_top_k=5))
+    keyword_alone = QueryOptions(retrievers=["keyword"])
+    answer = await pipeline.answer(QUERY.model_copy(update={"top_k": 20, "options": keyword_alone}), "w")
+    assert len(answer.results) == 20
+    few = keyword_alone.model_copy(update={"candidates": 3})
+    await pipeline.answer(QUERY.model_copy(update={"top_k": 8, "options": few}), "w")
+    await pipeline.answer(QUERY.model_copy(update={"top_k": 2, "options": few}), "w")
+    assert asked == [20, 8, 3]
+
+
 async def test_an_answer_where_nothing_is_indexed_is_not_kept() -> None:
     """A workspace with nothing indexed (a name that does not exist) answers empty every time: kept, a flood of
     made-up names took the cache's places from real tenants' answers (a many-tenant tester's)."""

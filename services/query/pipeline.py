@@ -415,7 +415,8 @@ class QueryPipeline:
         options = options_of(run.query)
         asked = set(options.retrievers or (r.name for r in self._retrievers))
         wanted = [r for r in self._retrievers if r.name in asked]
-        limit = options.candidates or self._config.retriever_top_k
+        # Never fewer than the answer's length: a single retriever's list would cut it, unsaid (a settings audit's).
+        limit = max(options.candidates or self._config.retriever_top_k, run.query.top_k)
         embedding = asyncio.ensure_future(self._embed(run)) if any(r.needs_embedding for r in wanted) else None
         if embedding is None:
             run.embedded.set()

@@ -44,7 +44,7 @@ from .logging import describe, get_logger
 from .nats_auth import inbox_prefix, nkey_public_key
 from .settings import Settings, SettingsUnusable, redacted_url
 from .subjects import PARTITION_COUNTS, Names
-from .tasks import cancel_and_wait
+from .tasks import cancel_and_wait, still_wanted
 from .telemetry import meter
 
 T = TypeVar("T")
@@ -644,17 +644,10 @@ async def wait_caught_up(
     js: JetStreamContext, stream: str, durable: str, stream_seq: int, timeout_s: float, poll_s: float = 0.05
 ) -> None:
     """Wait until the consumer has handled ``stream_seq``; TimeoutError after ``timeout_s``."""
-    async with asyncio.timeout(timeout_s) as deadline:
+    async with asyncio.timeout(timeout_s):
         while await ack_floor(js, stream, durable) < stream_seq:
-            _not_past(deadline)
+            still_wanted()  # past the deadline (its cancellation lost in nats-py), a poll went on for ever
             await asyncio.sleep(poll_s)
-
-
-def _not_past(deadline: asyncio.Timeout) -> None:
-    """TimeoutError once ``deadline`` has passed: the cancellation it sent may have been lost in nats-py (3.11's
-    wait_for returns a reply that arrives with it), and a polling loop then went on past it (a review's)."""
-    if deadline.expired():
-        raise TimeoutError
 
 
 async def projected_floor(js: JetStreamContext, names: Names, partitions: int) -> int:
@@ -798,7 +791,7 @@ async def wait_projected(
                 on_floor(floor)
             if floor >= stream_seq:
                 return
-            _not_past(deadline)
+            still_wanted()
             await asyncio.sleep(poll_s)
 
 

@@ -29,6 +29,15 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
         task.result()
 
 
+def still_wanted() -> None:
+    """Raise CancelledError when the current task was cancelled but the cancellation never reached it: nats-py
+    loses one in a flush it forces, and 3.11's wait_for one that comes with a reply. A loop of such calls asks at
+    each round; the cancellation of an expired ``asyncio.timeout`` counts, and comes out as its TimeoutError."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def start_held(coroutine: Coroutine[Any, Any, T], held: set[asyncio.Task[Any]]) -> asyncio.Task[T]:
     """``coroutine`` as a task, kept in ``held`` until it ends: asyncio keeps only weak references to tasks, and one
     nothing else refers to may be collected before it ends."""

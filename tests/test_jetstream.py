@@ -261,11 +261,8 @@ class _LosesOneCancellation:
         if not self.lost:
             try:
                 await asyncio.Event().wait()
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # not passed on, and not withdrawn either (uncancel)
                 self.lost = True
-                current = asyncio.current_task()
-                assert current is not None
-                current.uncancel()
         return await then()
 
 

@@ -12,13 +12,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, PubAck
 
-from ontofabric.services.ingest.client import DeltaPublisher, PublishFailed, StreamFull
+from ontofabric.services.ingest.client import PUBLISH_WINDOW, DeltaPublisher, PublishFailed, StreamFull
 from ontofabric.services.ingest.ingester import Ingester
 from ontofabric.shared.embedder import Embedder
 from ontofabric.shared.jetstream import close, connect, ensure_jetstream, wait_projected
@@ -265,3 +266,37 @@ async def test_an_ingest_saves_its_manifest_through_a_server_that_does_not_answe
         assert not saved.unknown  # the second save, after publishing, went through too
     finally:
         await nc.close()
+
+
+async def test_an_interrupt_lost_in_a_publish_stops_the_deltas_after_its_window() -> None:
+    """A review's: nats-py swallows a cancellation in a flush it forces (a socket backed up), and an interrupted
+    ingest published on to its end. The window under way is finished; the next ones are not sent."""
+
+    class BackedUp:
+        published = 0
+        lost = False
+
+        async def publish(self, subject: str, payload: bytes, **_: object) -> PubAck:
+            if not self.lost:
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:  # as nats-py's forced flush does
+                    self.lost = True
+            self.published += 1
+            return PubAck(stream="deltas", seq=self.published)
+
+        async def publish_async(self, subject: str, payload: bytes, headers: dict[str, str]) -> asyncio.Future[PubAck]:
+            self.published += 1
+            stored: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+            stored.set_result(PubAck(stream="deltas", seq=self.published))
+            return stored
+
+    js = BackedUp()
+    deltas = [upsert("acme", document(f"d{i}", "text")) for i in range(3 * PUBLISH_WINDOW)]
+    publisher = DeltaPublisher(cast(JetStreamContext, js), NAMES)
+    publishing = asyncio.create_task(publisher._publish_many(deltas, None))
+    await asyncio.sleep(0.05)
+    publishing.cancel()
+    await asyncio.wait([publishing], timeout=10)
+    assert publishing.cancelled()
+    assert js.published == PUBLISH_WINDOW

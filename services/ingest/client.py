@@ -20,6 +20,7 @@ from ontofabric.contracts import MAIN_BRANCH, DeltaEnvelope, DeltaPayload
 from ontofabric.shared.jetstream import RETRY_FOR_S, RETRY_WAIT_S, RETRYABLE, connection_of, refused_promptly
 from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.tasks import still_wanted
 from ontofabric.shared.telemetry import tracer
 
 log = get_logger(__name__)
@@ -148,6 +149,7 @@ class DeltaPublisher:
         give_up_at = time.monotonic() + self._retry_for_s
         wait = RETRY_WAIT_S[0]
         while len(acks) < len(deltas):
+            still_wanted()  # an interrupt nats-py lost in a flush it forced published on to the end (a review's)
             try:
                 await self._publish_window(deltas[len(acks) : len(acks) + PUBLISH_WINDOW], acks, on_stored)
                 wait = RETRY_WAIT_S[0]

@@ -124,7 +124,8 @@ async def serve_until_signal(
     stop = asyncio.Event()
     lost = connection_lost()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too: a terminal closed ended `up` at once, its workers not stopped, nothing logged (a stop tester's).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
 
     async def run(stack: AsyncExitStack) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import select
 import signal
 import socket
 import stat
@@ -136,6 +137,30 @@ def _start_up(env: dict[str, str], data_dir: Path, *options: str) -> subprocess.
             up.wait()
         raise
     return up
+
+
+@pytest.mark.slow
+def test_up_stops_its_workers_when_its_terminal_closes(tmp_path: Path) -> None:
+    """A stop tester's: SIGHUP (a terminal closed) ended `up` at once, its workers not stopped, nothing logged."""
+    data_dir = tmp_path / "data"
+    up = _start_up(_env(ONTOFABRIC_DATA_DIR=str(data_dir), ONTOFABRIC_EMBEDDER="none"), data_dir)
+    try:
+        assert up.stderr is not None
+        said, deadline = b"", time.monotonic() + 120
+        while b'"workers_running"' not in said:  # its handlers are set
+            assert time.monotonic() < deadline, said.decode()
+            if select.select([up.stderr], [], [], 1)[0]:  # read past the pipe's buffer, which select cannot see
+                said += os.read(up.stderr.fileno(), 1 << 16)
+        up.send_signal(signal.SIGHUP)
+        _, rest = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+    assert up.returncode == 0
+    events = [json.loads(line) for line in rest.decode().splitlines()]
+    assert [e["reason"] for e in events if e["event"] == "workers_stopping"] == ["signal"]
+    assert "embedded_server_stopped" in {e["event"] for e in events}
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.placement import Placement
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import NO_WORKSPACE, Names, encode_token
+from ontofabric.shared.tasks import still_wanted
 from ontofabric.shared.telemetry import trace_context_of
 
 log = get_logger(__name__)
@@ -412,6 +413,7 @@ async def redrive(
         for subject in {letter.original_subject for letter in letters if letter.original_subject}:
             last_on[subject] = await last_sequence_on(js, names.delta_stream, subject)
     for letter in letters:
+        still_wanted()  # an interrupt nats-py lost stops at the next letter
         if letter.body_omitted:
             outcome.bodiless.append(letter)
             continue

@@ -61,6 +61,7 @@ from ontofabric.shared.logging import describe, get_logger
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.tasks import still_wanted
 from ontofabric.shared.telemetry import tracer
 
 from .replay import workspace_deltas
@@ -282,6 +283,7 @@ class Rebuild:
                     "keep what this replay rejected; --force swaps anyway)",
                     resumable=False,
                 )
+            still_wanted()  # an interrupt nats-py lost on the way here does not swap
             await self._swap(js, nc, shadow, expected, report)
             return report
         finally:

@@ -44,6 +44,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.settings import Settings, redacted_url
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.tasks import still_wanted
 from ontofabric.shared.telemetry import tracer
 
 from .rebuild import pace_delay, paced_batch_size, replay_rate, running_rebuilds
@@ -214,6 +215,7 @@ class ModelChange:
         report.index_s = time.perf_counter() - started
         report.embedded += await self._embed_stale(conn, "catch up")
         await self._check_workers()
+        still_wanted()  # an interrupt nats-py lost on the way here does not swap
         await self._swap(conn, report)
         report.swapped = True
         try:  # after the commit; else the next run drops them

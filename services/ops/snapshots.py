@@ -46,6 +46,7 @@ from ontofabric.shared.placement import Placement
 from ontofabric.shared.progress import Progress
 from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names, encode_token, workspace_of
+from ontofabric.shared.tasks import still_wanted
 
 from .dead_letters import Selection, dead_letters
 from .rebuild import running_rebuilds
@@ -209,6 +210,7 @@ async def _purge_below(nc: Client, js: JetStreamContext, names: Names, seq: int,
     """Purge the delta stream's messages below ``seq``, and report how many went, as the server counted them (the
     stream's size before and after also counts what was published meanwhile: a tester's compaction beside an
     ingest said "-870 deltas dropped"), and the stream's size after."""
+    still_wanted()  # an interrupt nats-py lost on the way here does not purge (a stop tester's compaction did)
     reply = await nc.request(
         f"$JS.API.STREAM.PURGE.{names.delta_stream}", json.dumps({"seq": seq}).encode(), timeout=30
     )

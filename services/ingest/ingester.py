@@ -64,6 +64,7 @@ from ontofabric.shared.manifest_store import ManifestChanged, ManifestStore, Man
 from ontofabric.shared.onnx_models import OnnxEmbedder, pack_half
 from ontofabric.shared.progress import Progress, Silent
 from ontofabric.shared.subjects import Names
+from ontofabric.shared.tasks import still_wanted
 from ontofabric.shared.telemetry import tracer
 
 from .chunking import DOCUMENT_FORMATS, Chunk, chunk_file, self_import_name, tree_package, utf8_size
@@ -1389,6 +1390,7 @@ class Ingester:
         written = [i for i in longest_first(texts) if chunks[i].content.strip()]
         embedded: list[ChunkEmbedding | None] = [None] * len(chunks)
         for start in range(0, len(written), EMBED_BATCH):
+            still_wanted()  # an interrupt nats-py lost before (a stop tester's ingest embedded and published on)
             indexes = written[start : start + EMBED_BATCH]
             batch = [texts[i] for i in indexes]
             embed = self._cache.embed if self._cache is not None else embed_with_signs

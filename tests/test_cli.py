@@ -321,6 +321,29 @@ def test_an_ingest_interrupted_says_what_became_of_its_deltas(tmp_path: Path) ->
     assert "Traceback" not in stderr
 
 
+def test_a_ctrl_c_while_the_command_loads_ends_it_without_a_traceback(tmp_path: Path) -> None:
+    """A stop tester's: a Ctrl-C in a command's first seconds (its modules loading, up to 3 s under load) printed a
+    KeyboardInterrupt traceback of the import it came in. Here it comes as the command line's module is imported."""
+    script = (
+        "import os, signal, sys\n"
+        "class InterruptOnImport:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'ontofabric.services.cli':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, InterruptOnImport())\n"
+        "sys.argv = ['ontofabric', 'settings']\n"
+        "from ontofabric.services.entry import main\n"
+        "main()\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script], env=_env(ONTOFABRIC_DATA_DIR=str(tmp_path)), capture_output=True, text=True,
+        timeout=120, check=False, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    assert ran.returncode == 130, ran.stderr
+    assert "Traceback" not in ran.stderr
+    assert not ran.stdout
+
+
 def _stopped_waiting_on_nats(
     tmp_path: Path, command: list[str], stop: signal.Signals, on_sigint: signal.Handlers
 ) -> tuple[int, str]:

@@ -132,11 +132,16 @@ def _start_up(env: dict[str, str], data_dir: Path, *options: str) -> subprocess.
             assert time.monotonic() < deadline, "ontofabric up did not start"
             time.sleep(0.2)
     except BaseException:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        _kill_if_running(up)
         raise
     return up
+
+
+def _kill_if_running(up: subprocess.Popen[bytes]) -> None:
+    """``up`` and every process of its session, if it still runs (a test that failed midway)."""
+    if up.poll() is None:
+        os.killpg(up.pid, signal.SIGKILL)
+        up.wait()
 
 
 @pytest.mark.slow
@@ -154,9 +159,7 @@ def test_up_stops_its_workers_when_its_terminal_closes(tmp_path: Path) -> None:
         up.send_signal(signal.SIGHUP)
         _, rest = up.communicate(timeout=60)
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        _kill_if_running(up)
     assert up.returncode == 0
     events = [json.loads(line) for line in rest.decode().splitlines()]
     assert [e["reason"] for e in events if e["event"] == "workers_stopping"] == ["signal"]
@@ -173,9 +176,7 @@ def test_up_stops_and_says_so_when_an_embedded_server_ends(tmp_path: Path) -> No
         os.kill(nats_pid, signal.SIGKILL)
         _, stderr = up.communicate(timeout=60)
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        _kill_if_running(up)
     assert up.returncode == 1
     assert "embedded server ended: nats" in stderr.decode()
     # Its stderr is a JSON log stream (the default format) to its last line (a new operator's ended in plain text).

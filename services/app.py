@@ -15,7 +15,7 @@ from ontofabric.shared.logging import get_logger
 from ontofabric.shared.priority import lower_process_priority
 from ontofabric.shared.runtime import Endpoints
 from ontofabric.shared.settings import Settings
-from ontofabric.shared.tasks import cancel_and_wait
+from ontofabric.shared.tasks import cancel_and_wait, still_wanted
 
 from .projector.worker import AzureProjectorService, ProjectorService
 from .query.rerankers import build_reranker
@@ -137,6 +137,7 @@ async def serve_until_signal(
                 "query_worker_priority", niceness=settings.query_niceness, threads=threads, autogroup=autogroup
             )
         await start_workers(stack, settings, endpoints, roles)
+        still_wanted()  # a stop whose cancellation nats-py lost: not "ready" after it (a review's)
         keep_out_of_collections()
         if on_ready is not None:
             await on_ready()

@@ -406,7 +406,7 @@ async def connect(
         raise
     finally:
         refused.cancel()
-    if not connecting.done():
+    if not connecting.done() or connecting.cancelled():
         await _abandon(connecting, nc)
         if authorization_refused.is_set():
             raise PermissionDenied(f"the NATS server at {redacted_url(url)} refused these credentials")
@@ -420,10 +420,19 @@ async def _abandon(attempt: asyncio.Task[None], nc: Client) -> None:
     """End a first connection's ``attempt`` and close ``nc``, whether or not it connected meanwhile. Cancelled until
     it ends: nats-py waits for the TCP connection with 3.11's wait_for, which loses a cancellation that comes as the
     socket connects; the attempt then retried for ever, and asyncio.run's shutdown with it (a CI run's `compact`,
-    stopped by SIGTERM, never ended)."""
-    with contextlib.suppress(Exception):  # how it failed no longer matters
-        await cancel_and_wait(attempt)
-    await close(nc)
+    stopped by SIGTERM, never ended). A caller stopped meanwhile (its own stop cancels it again, every second) is
+    stopped once this is done: left halfway, the attempt went on retrying (a review's)."""
+    stopped: asyncio.CancelledError | None = None
+    while True:
+        try:
+            with contextlib.suppress(Exception):  # how it failed no longer matters
+                await cancel_and_wait(attempt)
+            await close(nc)
+            break
+        except asyncio.CancelledError as error:
+            stopped = error
+    if stopped is not None:
+        raise stopped
 
 
 async def close(nc: Client) -> None:

@@ -222,11 +222,14 @@ async def test_a_closed_connection_ends_the_loop_instead_of_waiting_for_a_reconn
     assert fetches.fetches == 0
 
 
-async def test_a_connection_given_up_on_as_its_socket_connects_still_ends() -> None:
+@pytest.mark.parametrize("stopped", ["once", "until_it_ends"])
+async def test_a_connection_given_up_on_as_its_socket_connects_still_ends(stopped: str) -> None:
     """Python 3.11's wait_for returns what it waited for when that completes as its task is cancelled, and nats-py
     waits so for the TCP connection: its attempt, cancelled at that moment, retried for ever, and asyncio.run's
     shutdown waited on it (a CI run's `compact`, stopped by SIGTERM, never ended). Here the caller gives up in the
-    loop iteration in which the socket connects, to a server that never says hello."""
+    loop iteration in which the socket connects, to a server that never says hello: cancelled once (asyncio.run's
+    shutdown) or until it ends, as the workers are stopped (a review's: the second cancellation cut the abandon
+    short, and the attempt retried on)."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -241,9 +244,12 @@ async def test_a_connection_given_up_on_as_its_socket_connects_still_ends() -> N
                     (task for task in asyncio.all_tasks() if _runs(task, "open_connection")), None
                 )
         attempt = next(task for task in asyncio.all_tasks() if _runs(task, "Client.connect"))
-        caller.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await caller
+        if stopped == "once":
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+        else:
+            await cancel_and_wait(caller)
         ended, _ = await asyncio.wait([attempt], timeout=15)  # nats-py waits 2 s for the server's hello
         if not ended:  # not to leave it running: a cancellation at another moment is not lost
             attempt.cancel()
@@ -257,13 +263,13 @@ class _LosesOneCancellation:
 
     lost = False
 
-    async def wait(self, then: Callable[[], Awaitable[Any]]) -> Any:
+    async def wait(self, then: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         if not self.lost:
             try:
                 await asyncio.Event().wait()
             except asyncio.CancelledError:  # not passed on, and not withdrawn either (uncancel)
                 self.lost = True
-        return await then()
+        return await then(*args)
 
 
 async def test_workers_whose_start_lost_a_cancellation_still_stop(
@@ -274,18 +280,26 @@ async def test_workers_whose_start_lost_a_cancellation_still_stop(
     from ontofabric.services import app
 
     async def start_workers(*_: Any) -> None:
-        await _LosesOneCancellation().wait(asyncio.Event().wait)
+        await _LosesOneCancellation().wait(asyncio.sleep, 0)
+
+    ready: list[str] = []
+
+    async def on_ready() -> None:
+        ready.append("ready")
 
     monkeypatch.setattr(app, "start_workers", start_workers)
     endpoints = Endpoints(nats_url=deployment.nats_url, database_url=deployment.settings.database_url or "")
     nothing = Roles(projector=False, query=False, azure_projector=False)
-    serving = asyncio.create_task(serve_until_signal(deployment.settings, endpoints, nothing, exited=lambda: ["nats"]))
+    serving = asyncio.create_task(
+        serve_until_signal(deployment.settings, endpoints, nothing, on_ready, exited=lambda: ["nats"])
+    )
     ended, _ = await asyncio.wait([serving], timeout=10)
     if not ended:
         await cancel_and_wait(serving)
     assert ended, "the workers never stopped"
     with pytest.raises(app.ServersEnded):
         serving.result()
+    assert ready == []  # not said to be ready after the stop was taken
 
 
 async def test_a_wait_for_a_consumer_ends_at_its_deadline_though_nats_py_lost_its_cancellation() -> None:

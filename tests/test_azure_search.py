@@ -555,7 +555,7 @@ async def test_a_branch_hiding_many_of_mains_documents_still_gets_its_hits(
     acks = await deployment.publisher.publish_many(main + hidden)
     await deployment.wait_projected(acks[-1].seq)
     await _wait_indexed(deployment, acks[-1].seq)
-    reply = await both.ask("alpha", branch="feature/x", options={"retrievers": ["keyword"], "candidates": 3})
+    reply = await both.ask("alpha", branch="feature/x", topK=3, options={"retrievers": ["keyword"], "candidates": 3})
     # Main's eight best matches are deleted on the branch; they must not fill the three places.
     found = [r.id for r in reply.results]
     assert len(found) == 3

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -85,3 +88,18 @@ def projected_minilm(path: Path, dimension: int, seed: int = 7) -> Path:
     torch.nn.init.orthogonal_(projection.linear.weight)
     SentenceTransformer(modules=[base[0], base[1], projection, Normalize()], device="cpu").save(str(path))
     return path
+
+
+class LosesOneCancellation:
+    """Waits as nats-py does where it loses a cancellation (3.11's wait_for with a reply arriving alongside, a flush
+    it forces): the first cancellation is lost, and the caller goes on with ``then``; later ones are not."""
+
+    lost = False
+
+    async def wait(self, then: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        if not self.lost:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:  # not passed on, and not withdrawn either (uncancel)
+                self.lost = True
+        return await then(*args)

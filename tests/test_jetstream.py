@@ -41,6 +41,7 @@ from ontofabric.shared.subjects import Names
 from ontofabric.shared.tasks import cancel_and_wait
 
 from .conftest import Deployment
+from .factories import LosesOneCancellation
 
 DURABLE = "test-puller"
 
@@ -257,21 +258,6 @@ async def test_a_connection_given_up_on_as_its_socket_connects_still_ends(stoppe
     assert ended, "the attempt given up on went on connecting"
 
 
-class _LosesOneCancellation:
-    """Waits as nats-py's wait_for under Python 3.11 does when a reply arrives with the cancellation: the first
-    cancellation is lost, and the caller goes on with ``then``; later ones are not."""
-
-    lost = False
-
-    async def wait(self, then: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        if not self.lost:
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:  # not passed on, and not withdrawn either (uncancel)
-                self.lost = True
-        return await then(*args)
-
-
 async def test_workers_whose_start_lost_a_cancellation_still_stop(
     deployment: Deployment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -280,7 +266,7 @@ async def test_workers_whose_start_lost_a_cancellation_still_stop(
     from ontofabric.services import app
 
     async def start_workers(*_: Any) -> None:
-        await _LosesOneCancellation().wait(asyncio.sleep, 0)
+        await LosesOneCancellation().wait(asyncio.sleep, 0)
 
     ready: list[str] = []
 
@@ -306,7 +292,7 @@ async def test_a_wait_for_a_consumer_ends_at_its_deadline_though_nats_py_lost_it
     """A review's: the deadline cancels its task once; a look whose cancellation nats-py lost returned, and the
     polling went on past the deadline, for as long as the consumer stayed behind."""
 
-    class Behind(_LosesOneCancellation):
+    class Behind(LosesOneCancellation):
         async def consumer_info(self, stream: str, durable: str) -> Any:
             return await self.wait(self.behind)
 

@@ -29,7 +29,7 @@ from ontofabric.shared.settings import Settings
 from ontofabric.shared.subjects import Names
 
 from .conftest import spawn_nats
-from .factories import document, upsert
+from .factories import LosesOneCancellation, document, upsert
 
 pytestmark = pytest.mark.slow  # starts a server of its own
 
@@ -272,16 +272,13 @@ async def test_an_interrupt_lost_in_a_publish_stops_the_deltas_after_its_window(
     """A review's: nats-py swallows a cancellation in a flush it forces (a socket backed up), and an interrupted
     ingest published on to its end. The window under way is finished; the next ones are not sent."""
 
-    class BackedUp:
+    class BackedUp(LosesOneCancellation):
         published = 0
-        lost = False
 
         async def publish(self, subject: str, payload: bytes, **_: object) -> PubAck:
-            if not self.lost:
-                try:
-                    await asyncio.Event().wait()
-                except asyncio.CancelledError:  # as nats-py's forced flush does
-                    self.lost = True
+            return await self.wait(self.stored)  # as nats-py's forced flush does
+
+        async def stored(self) -> PubAck:
             self.published += 1
             return PubAck(stream="deltas", seq=self.published)
 
